@@ -1,0 +1,306 @@
+"""The read contract every KV cache implements; storage layouts live in the subclasses.
+
+A read receives the new queries, keys and values of one attention (already normed and rotated),
+writes what the read says it writes, builds the mask from absolute positions (``cache.masks``) and
+returns the attention output. Subclasses provide only the storage: ``_append`` (write the new rows
+and return the contiguous run of positions the new queries may need), ``_canvas_keys`` (the same
+for a block that is not written) and the trim/state plumbing.
+
+Reads that write record what they attended (keys, values and mask), so that a KV-shared layer can
+make the same read through ``shared_view()`` in the same forward without recomputing or writing
+anything. The record is dropped at the donor's next read, trim or restore, so it never pins an old
+buffer (which would stop MLX from updating the buffer in place).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import mlx.core as mx
+import numpy as np
+
+from . import masks
+from .attention import attend, check_blocks, check_qkv, check_scale
+
+
+class Attended(NamedTuple):
+    """What one writing read attended: replayed by a shared view with its own queries."""
+
+    read: str
+    length: int
+    offset: int
+    keys: mx.array
+    values: mx.array
+    mask: object
+
+
+class AttentionCache:
+    """Base of every cache. ``sliding_window`` is None on full-attention layers."""
+
+    kind: str = ""
+    sliding_window: int | None = None
+
+    def __init__(self) -> None:
+        self.keys: mx.array | None = None  # [B, Hkv, capacity, D]; rows [0, _rows) hold positions in temporal order
+        self.values: mx.array | None = None
+        self._rows = 0
+        self.offset = 0
+        self._ends_in_image: list[bool] | None = None  # per row: the last stored position belongs to an image
+        self._last: Attended | None = None
+
+    # ----------------------------------------------------------------------------------------- reads
+    def decode(self, q: mx.array, k: mx.array, v: mx.array, *, scale: float) -> mx.array:
+        """One new position per row (L = 1), appended; it sees its row's stored positions within the window."""
+        check_qkv("decode", q, k, v)
+        if q.shape[2] != 1:
+            raise ValueError(f"decode: takes exactly L=1 new position, got L={q.shape[2]} (use window for more)")
+        return self._write_and_attend("decode", q, k, v, scale, lambda qs, L, ks, T: masks.causal(qs, L, ks, T, self.sliding_window))
+
+    def window(self, q: mx.array, k: mx.array, v: mx.array, *, scale: float) -> mx.array:
+        """L >= 1 new positions, appended: causal within the block and over the stored history,
+        window-limited on sliding layers. For prefill chunks, prefill tails and speculative verify."""
+        check_qkv("window", q, k, v)
+        return self._write_and_attend("window", q, k, v, scale, lambda qs, L, ks, T: masks.causal(qs, L, ks, T, self.sliding_window))
+
+    def vision_prefill(self, q: mx.array, k: mx.array, v: mx.array, blocks, *, scale: float) -> mx.array:
+        """Gemma 4 prefill of a prompt with images, appended.
+
+        ``blocks [B, L]`` is each new position's image index (-1 for text). Sliding layers:
+        ``(causal OR same image) AND window``; full layers: causal. An image's span is never split
+        across two reads: the caller must keep every image inside one read, and a read that starts
+        inside an image right where the stored positions end inside one raises ``ValueError``.
+        """
+        check_qkv("vision_prefill", q, k, v)
+        blocks = self._check_image_blocks("vision_prefill", blocks, q)
+        out = self._write_and_attend(
+            "vision_prefill", q, k, v, scale, lambda qs, L, ks, T: masks.vision_prefill(qs, L, ks, T, blocks, self.sliding_window)
+        )
+        self._ends_in_image = [bool(b) for b in np.array(blocks[:, -1] >= 0)]
+        return out
+
+    def encoder(self, q: mx.array, k: mx.array, v: mx.array, blocks, *, scale: float) -> mx.array:
+        """DiffusionGemma's encoder read, appended: full layers ``causal OR same image``; sliding layers
+        ``(causal AND window) OR same image``, the image overlay not limited by the window. ``blocks``
+        as in ``vision_prefill``, with the same rule that an image is never split across reads."""
+        check_qkv("encoder", q, k, v)
+        blocks = self._check_image_blocks("encoder", blocks, q)
+        out = self._write_and_attend(
+            "encoder", q, k, v, scale, lambda qs, L, ks, T: masks.encoder(qs, L, ks, T, blocks, self.sliding_window)
+        )
+        self._ends_in_image = [bool(b) for b in np.array(blocks[:, -1] >= 0)]
+        return out
+
+    def canvas(self, q: mx.array, k: mx.array, v: mx.array, *, scale: float) -> mx.array:
+        """DiffusionGemma's decoder read; writes nothing. Bidirectional over the stored history
+        (sliding: the newest ``min(stored, window - 1)`` positions; full: all) followed by the block."""
+        check_qkv("canvas", q, k, v)
+        self._check_compatible("canvas", k, v)
+        self._last = None
+        keys, values = self._canvas_keys(k, v)
+        self._last = Attended("canvas", q.shape[2], self.offset, keys, values, None)
+        return attend(q, keys, values, check_scale("canvas", scale), None)
+
+    # ------------------------------------------------------------------------------- shared layers
+    def shared_view(self) -> "SharedView":
+        """A view for KV-shared layers: the same reads, on what this cache attended in its last read."""
+        return SharedView(self)
+
+    # ------------------------------------------------------------------------------ bookkeeping
+    @property
+    def stored(self) -> int:
+        """Positions held in storage (the newest ones)."""
+        return self._rows
+
+    def temporal(self) -> tuple[mx.array, mx.array] | tuple[None, None]:
+        """The stored keys and values, oldest first: the newest ``stored`` positions."""
+        if self.keys is None:
+            return None, None
+        return self.keys[..., : self._rows, :], self.values[..., : self._rows, :]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage allocated now."""
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Storage one more position costs, or 0 where storage does not grow with the sequence."""
+        raise NotImplementedError
+
+    def can_trim(self, n: int) -> bool:
+        raise NotImplementedError
+
+    def trim(self, n: int) -> int:
+        """Drop the newest ``n`` positions exactly, or raise ``ValueError`` (never a partial trim)."""
+        if not isinstance(n, (int, np.integer)) or n < 0:
+            raise ValueError(f"trim: n must be a non-negative int, got {n!r}")
+        if not self.can_trim(int(n)):
+            raise ValueError(self._trim_refusal(int(n)))
+        self._last = None
+        self._rows -= int(n)
+        self.offset -= int(n)
+        self._ends_in_image = None
+        return int(n)
+
+    def _trim_refusal(self, n: int) -> str:
+        return f"trim: cannot drop {n} positions; {self.offset} consumed, {self._rows} stored"
+
+    @property
+    def state(self) -> dict:
+        """Everything needed to continue exactly: the stored rows and every position counter."""
+        keys, values = self.temporal()
+        return {
+            "kind": self.kind,
+            "offset": self.offset,
+            "keys": keys,
+            "values": values,
+            "ends_in_image": self._ends_in_image,
+            **self._config(),
+        }
+
+    @classmethod
+    def from_state(cls, state: dict) -> "AttentionCache":
+        kind = state.get("kind")
+        if kind != cls.kind:
+            raise ValueError(f"from_state: state is of kind {kind!r}, expected {cls.kind!r}")
+        cache = cls(**{name: state[name] for name in cls._config_names()})
+        keys, values = state["keys"], state["values"]
+        offset = int(state["offset"])
+        rows = 0 if keys is None else keys.shape[2]
+        if rows > offset:
+            raise ValueError(f"from_state: {rows} stored positions exceed the offset {offset}")
+        cache._restore(keys, values, offset)
+        cache._ends_in_image = state.get("ends_in_image")
+        return cache
+
+    # ------------------------------------------------------------------------------- internals
+    def _write_and_attend(self, read, q, k, v, scale, make_mask) -> mx.array:
+        scale = check_scale(read, scale)
+        self._check_compatible(read, k, v)
+        self._last = None
+        q_start = self.offset
+        keys, values, k_start = self._append(k, v)
+        self.offset += k.shape[2]
+        mask = make_mask(q_start, q.shape[2], k_start, keys.shape[2])
+        self._last = Attended(read, q.shape[2], self.offset, keys, values, mask)
+        return attend(q, keys, values, scale, mask)
+
+    def _check_compatible(self, read: str, k: mx.array, v: mx.array) -> None:
+        if self.keys is None:
+            return
+        B, Hkv, _, D = self.keys.shape
+        checks = (
+            ("batch size", B, k.shape[0]),
+            ("kv heads", Hkv, k.shape[1]),
+            ("k head dim", D, k.shape[3]),
+            ("v head dim", self.values.shape[3], v.shape[3]),
+        )
+        for what, expected, got in checks:
+            if expected != got:
+                raise ValueError(f"{read}: {what} {got} does not match the cache's {expected}")
+        if k.dtype != self.keys.dtype:
+            raise ValueError(f"{read}: k dtype {k.dtype} does not match the cache's {self.keys.dtype}")
+
+    def _check_image_blocks(self, read: str, blocks, q: mx.array) -> mx.array:
+        blocks = check_blocks(read, blocks, q.shape[0], q.shape[2])
+        if self._ends_in_image and self._rows:
+            starts_in_image = np.array(blocks[:, 0] >= 0)
+            for row, (ended, starts) in enumerate(zip(self._ends_in_image, starts_in_image)):
+                if ended and starts:
+                    raise ValueError(
+                        f"{read}: row {row} starts inside an image where the stored positions end inside one; "
+                        "an image's span must be given in a single read"
+                    )
+        return blocks
+
+    def _new_buffers(self, like_k: mx.array, like_v: mx.array, rows: int) -> tuple[mx.array, mx.array]:
+        B, H, _, D = like_k.shape
+        return (
+            mx.zeros((B, H, rows, D), dtype=like_k.dtype),
+            mx.zeros((B, H, rows, like_v.shape[3]), dtype=like_v.dtype),
+        )
+
+    def _restore(self, keys, values, offset: int) -> None:
+        self.offset = offset
+        self._rows = 0 if keys is None else keys.shape[2]
+        self.keys, self.values = keys, values
+        self._last = None
+
+    # subclass hooks
+    def _append(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, int]:
+        raise NotImplementedError
+
+    def _canvas_keys(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+        raise NotImplementedError
+
+    def _config(self) -> dict:
+        return {name: getattr(self, name) for name in self._config_names()}
+
+    @classmethod
+    def _config_names(cls) -> tuple[str, ...]:
+        return ()
+
+
+class SharedView:
+    """A KV-shared layer's cache: the donor's reads on what the donor attended, writing nothing.
+
+    Gemma 4's last ``num_kv_shared_layers`` layers reuse the keys and values of the last earlier
+    layer of the same type, from the same forward, after that layer's write. The view replays the
+    donor's last read (same keys, values and mask) with the shared layer's queries. It must be read
+    after the donor's read of the same forward; a stale or mismatched read raises ``ValueError``.
+    It owns no storage: trims and persistence go to the donor.
+    """
+
+    def __init__(self, donor: AttentionCache):
+        self.donor = donor
+
+    @property
+    def kind(self) -> str:
+        return f"shared:{self.donor.kind}"
+
+    @property
+    def offset(self) -> int:
+        return self.donor.offset
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.donor.sliding_window
+
+    nbytes = 0
+    bytes_per_token = 0
+
+    def _replay(self, read: str, q: mx.array, k, v, scale) -> mx.array:
+        if k is not None or v is not None:
+            raise ValueError(f"{read}: a shared view takes only q; its keys and values come from the donor")
+        last = self.donor._last
+        if last is None or last.offset != self.donor.offset:
+            raise ValueError(f"{read}: the donor cache has no read in this forward to share")
+        if last.read != read or last.length != q.shape[2]:
+            raise ValueError(
+                f"{read}: the donor's last read was {last.read} of L={last.length}; "
+                f"this shared read is {read} of L={q.shape[2]}"
+            )
+        return attend(q, last.keys, last.values, check_scale(read, scale), last.mask)
+
+    def decode(self, q, k=None, v=None, *, scale):
+        return self._replay("decode", q, k, v, scale)
+
+    def window(self, q, k=None, v=None, *, scale):
+        return self._replay("window", q, k, v, scale)
+
+    def vision_prefill(self, q, k=None, v=None, blocks=None, *, scale):
+        return self._replay("vision_prefill", q, k, v, scale)
+
+    def encoder(self, q, k=None, v=None, blocks=None, *, scale):
+        return self._replay("encoder", q, k, v, scale)
+
+    def canvas(self, q, k=None, v=None, *, scale):
+        return self._replay("canvas", q, k, v, scale)
+
+    def can_trim(self, n: int) -> bool:
+        return False
+
+    def trim(self, n: int) -> int:
+        raise ValueError("trim: a shared view owns no storage; trim its donor cache instead")

@@ -1,0 +1,73 @@
+"""Attention masks, built from absolute positions: the only place in the project that builds masks.
+
+Every read attends a contiguous run of stored positions ``[k_start, k_start + T)`` with queries at
+``[q_start, q_start + L)``; the rules below are the reference's (transformers 5.24 ``masking_utils``)
+written over those absolute positions. A function returns ``None`` when every key is visible to
+every query, the string ``"causal"`` when MLX's fused bottom-right causal mask is exact, and
+otherwise a boolean array (True = attend) that broadcasts against ``[B, Hq, L, T]``.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+
+def _positions(q_start: int, L: int, k_start: int, T: int) -> tuple[mx.array, mx.array]:
+    qpos = mx.arange(q_start, q_start + L)[:, None]
+    kpos = mx.arange(k_start, k_start + T)[None, :]
+    return qpos, kpos
+
+
+def causal(q_start: int, L: int, k_start: int, T: int, window: int | None = None):
+    """Causal, and on sliding layers limited to keys in ``(q - window, q]``.
+
+    Decode (``L == 1``) over at most ``window`` keys needs no mask at all, which is the steady state.
+    """
+    last_q = q_start + L - 1
+    window_binds = window is not None and k_start <= last_q - window
+    if not window_binds:
+        if L == 1:
+            return None
+        # MLX's "causal" aligns the last query with the last key: exact when they coincide.
+        if k_start + T == q_start + L:
+            return "causal"
+    qpos, kpos = _positions(q_start, L, k_start, T)
+    visible = kpos <= qpos
+    if window is not None:
+        visible = visible & (kpos > qpos - window)
+    return visible
+
+
+def _same_block(blocks: mx.array, T: int) -> mx.array:
+    """``[B, 1, L, T]``: key j is a new position of the same image as query i.
+
+    ``blocks`` holds the image index of each new position (-1 for text). The new positions are the
+    last ``L`` keys; stored history never belongs to an image of this read (images are never split
+    across reads), so its columns are False.
+    """
+    B, L = blocks.shape
+    same = (blocks[:, :, None] == blocks[:, None, :]) & (blocks[:, :, None] >= 0)
+    if T > L:
+        same = mx.concatenate([mx.zeros((B, L, T - L), dtype=mx.bool_), same], axis=2)
+    return same[:, None]
+
+
+def vision_prefill(q_start: int, L: int, k_start: int, T: int, blocks: mx.array, window: int | None):
+    """Gemma 4 vision prefill: sliding layers ``(causal OR same image) AND window``; full layers causal."""
+    if window is None:
+        return causal(q_start, L, k_start, T)
+    qpos, kpos = _positions(q_start, L, k_start, T)
+    visible = ((kpos <= qpos) | _same_block(blocks, T)) & (kpos > qpos - window)
+    return visible
+
+
+def encoder(q_start: int, L: int, k_start: int, T: int, blocks: mx.array, window: int | None):
+    """DiffusionGemma encoder: full ``causal OR same image``; sliding ``(causal AND window) OR same image``.
+
+    The image overlay is not limited by the window on sliding layers.
+    """
+    qpos, kpos = _positions(q_start, L, k_start, T)
+    visible = kpos <= qpos
+    if window is not None:
+        visible = visible & (kpos > qpos - window)
+    return visible | _same_block(blocks, T)

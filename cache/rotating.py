@@ -1,0 +1,137 @@
+"""Sliding-window storage: the newest positions only, bounded by the window plus fixed slack.
+
+Layout: one buffer of at most ``capacity = window - 1 + slack + step`` positions kept in temporal
+order (oldest first), never a wrapped ring. New positions are written in place after the stored
+ones; when the buffer is full it is compacted once to its newest ``window - 1 + slack`` positions,
+which costs one copy every ``step`` decode steps. This gives what a ring cannot:
+
+- steady-state decode reads one contiguous run of exactly ``window`` keys, so it needs no mask;
+- the newest ``slack`` positions can always be trimmed exactly, also long after the window has
+  wrapped, which speculative rollback needs (peer ring buffers silently corrupt here);
+- ``temporal()`` and the canvas read are plain slices.
+
+A prefill chunk longer than the free room is attended over ``window - 1`` stored positions plus the
+chunk, and only the newest ``window - 1 + slack`` positions of the result are kept.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .base import AttentionCache
+
+
+class RotatingKVCache(AttentionCache):
+    """KV cache of a sliding-window layer: a query at absolute position p sees keys in (p - window, p]."""
+
+    kind = "sliding"
+
+    def __init__(self, window: int, slack: int = 16, step: int = 256):
+        window, slack, step = int(window), int(slack), int(step)
+        if window < 1:
+            raise ValueError(f"RotatingKVCache: window must be >= 1, got {window}")
+        if slack < 0:
+            raise ValueError(f"RotatingKVCache: slack must be >= 0, got {slack}")
+        if step < 1:
+            raise ValueError(f"RotatingKVCache: step must be >= 1, got {step}")
+        super().__init__()
+        self.sliding_window = window
+        self.slack = slack
+        self.step = step
+
+    @classmethod
+    def _config_names(cls):
+        return ("window", "slack", "step")
+
+    def _config(self) -> dict:
+        return {"window": self.sliding_window, "slack": self.slack, "step": self.step}
+
+    @property
+    def retained(self) -> int:
+        """Positions kept between reads: the window's history plus the trim slack."""
+        return self.sliding_window - 1 + self.slack
+
+    @property
+    def capacity(self) -> int:
+        """The most positions the buffer ever holds."""
+        return self.retained + self.step
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 0
+
+    def can_trim(self, n: int) -> bool:
+        """Exact while the positions left still cover the window's history (``window - 1``)."""
+        if n < 0 or n > self._rows:
+            return False
+        return self._rows - n >= min(self.offset - n, self.sliding_window - 1)
+
+    def _trim_refusal(self, n: int) -> str:
+        return (
+            f"trim: cannot drop {n} positions exactly; {self._rows} stored, and at least "
+            f"{min(self.offset - n, self.sliding_window - 1)} must remain for the window of {self.sliding_window} "
+            f"(the slack of {self.slack} positions bounds a rollback)"
+        )
+
+    def _history(self) -> int:
+        return min(self._rows, self.sliding_window - 1)
+
+    def _make_room(self, L: int, k: mx.array, v: mx.array) -> bool:
+        """Ensure ``L`` free rows after the stored ones; False when the chunk cannot fit at all."""
+        n = self._rows
+        allocated = 0 if self.keys is None else self.keys.shape[2]
+        if n + L <= allocated:
+            return True
+        keep = n if n + L <= self.capacity else min(n, self.retained)
+        if keep + L > self.capacity:
+            return False
+        # Once positions start being dropped the buffer stays at full capacity: no regrowth copies.
+        rows = self.capacity if keep < n else min(self.capacity, -(-(keep + L) // self.step) * self.step)
+        fresh_k, fresh_v = self._new_buffers(k, v, rows - keep)
+        if keep:
+            self.keys = mx.concatenate([self.keys[..., n - keep : n, :], fresh_k], axis=2)
+            self.values = mx.concatenate([self.values[..., n - keep : n, :], fresh_v], axis=2)
+        else:
+            self.keys, self.values = fresh_k, fresh_v
+        self._rows = keep
+        return True
+
+    def _append(self, k, v):
+        L = k.shape[2]
+        if not self._make_room(L, k, v):
+            return self._append_oversized(k, v)
+        n = self._rows
+        h = self._history()
+        self.keys[..., n : n + L, :] = k
+        self.values[..., n : n + L, :] = v
+        self._rows = n + L
+        return self.keys[..., n - h : n + L, :], self.values[..., n - h : n + L, :], self.offset - h
+
+    def _append_oversized(self, k, v):
+        n, L, h = self._rows, k.shape[2], self._history()
+        if h:
+            keys = mx.concatenate([self.keys[..., n - h : n, :], k], axis=2)
+            values = mx.concatenate([self.values[..., n - h : n, :], v], axis=2)
+        else:
+            keys, values = k, v
+        keep_old = min(n, max(self.retained - L, 0))
+        tail_k = k[..., L - min(L, self.retained) :, :]
+        tail_v = v[..., L - min(L, self.retained) :, :]
+        if keep_old:
+            tail_k = mx.concatenate([self.keys[..., n - keep_old : n, :], tail_k], axis=2)
+            tail_v = mx.concatenate([self.values[..., n - keep_old : n, :], tail_v], axis=2)
+        kept = tail_k.shape[2]
+        fresh_k, fresh_v = self._new_buffers(k, v, self.capacity - kept)
+        self.keys = mx.concatenate([tail_k, fresh_k], axis=2)
+        self.values = mx.concatenate([tail_v, fresh_v], axis=2)
+        self._rows = kept
+        return keys, values, self.offset - h
+
+    def _canvas_keys(self, k, v):
+        n, h = self._rows, self._history()
+        if not h:
+            return k, v
+        return (
+            mx.concatenate([self.keys[..., n - h : n, :], k], axis=2),
+            mx.concatenate([self.values[..., n - h : n, :], v], axis=2),
+        )
