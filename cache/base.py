@@ -180,6 +180,7 @@ class AttentionCache:
         scale = check_scale(read, scale)
         self._check_compatible(read, k, v)
         self._last = None
+        self._ends_in_image = None
         q_start = self.offset
         keys, values, k_start = self._append(k, v)
         self.offset += k.shape[2]
