@@ -1,0 +1,214 @@
+"""The Gemma 4 text decoder (transformers 5.24 ``Gemma4ForCausalLM``) as an MLX graph.
+
+Every attention is one read on the layer's cache (``cache/``): the graph computes normed, rotated
+queries, keys and values and never builds a mask. Layers differ in geometry (sliding layers and
+full layers have their own head_dim and kv heads), and the last ``num_kv_shared_layers`` layers
+compute no keys or values: they read, through a ``shared_view``, what the last earlier layer of the
+same type attended in this same forward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from cache import KVCache, RotatingKVCache
+from models.gemma4_config import SLIDING, Gemma4TextConfig, LayerGeometry
+
+from .layers import Experts, GeGLUMLP, RMSNorm, RoPE, Router
+
+# q_norm and k_norm take the place of 1/sqrt(head_dim).
+ATTENTION_SCALE = 1.0
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer; the read on ``cache`` does the attending (and the writing)."""
+
+    def __init__(self, config: Gemma4TextConfig, geometry: LayerGeometry, rope: RoPE):
+        super().__init__()
+        H, D = config.hidden_size, geometry.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = geometry.num_key_value_heads
+        self.head_dim = D
+        self.reuses_kv = geometry.reuses_kv
+        self.rope = rope
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(H, self.num_heads * D, bias=bias)
+        self.q_norm = RMSNorm(D, config.rms_norm_eps)
+        if not self.reuses_kv:
+            self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+            if geometry.has_v_proj:
+                self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+            self.k_norm = RMSNorm(D, config.rms_norm_eps)
+            self.v_norm = RMSNorm(D, config.rms_norm_eps, with_weight=False)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
+
+    def __call__(self, x: mx.array, cache, offset: int, read: str, read_args: dict) -> mx.array:
+        B, L, _ = x.shape
+        heads = lambda t, n: t.reshape(B, L, n, self.head_dim)  # noqa: E731
+        q = self.rope(self.q_norm(heads(self.q_proj(x), self.num_heads)).transpose(0, 2, 1, 3), offset)
+        if self.reuses_kv:
+            out = getattr(cache, read)(q, scale=ATTENTION_SCALE, **read_args)
+        else:
+            raw_k = heads(self.k_proj(x), self.num_kv_heads)
+            # attention_k_eq_v: values are the raw k_proj output (before k_norm and RoPE).
+            raw_v = heads(self.v_proj(x), self.num_kv_heads) if "v_proj" in self else raw_k
+            k = self.rope(self.k_norm(raw_k).transpose(0, 2, 1, 3), offset)
+            v = self.v_norm(raw_v).transpose(0, 2, 1, 3)
+            out = getattr(cache, read)(q, k, v, scale=ATTENTION_SCALE, **read_args)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DecoderLayer(nn.Module):
+    """Sandwich-normed attention and feed-forward, the MoE beside the dense MLP, the per-layer input, ``layer_scalar``."""
+
+    def __init__(self, config: Gemma4TextConfig, geometry: LayerGeometry, rope: RoPE):
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Attention(config, geometry, rope)
+        self.mlp = GeGLUMLP(H, geometry.intermediate_size)
+        self.input_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.pre_feedforward_layernorm = RMSNorm(H, eps)
+        self.post_feedforward_layernorm = RMSNorm(H, eps)
+        self.has_moe = config.enable_moe_block
+        if self.has_moe:
+            self.router = Router(H, config.num_experts, config.top_k_experts, eps)
+            self.experts = Experts(H, config.moe_intermediate_size, config.num_experts)
+            self.pre_feedforward_layernorm_2 = RMSNorm(H, eps)
+            self.post_feedforward_layernorm_1 = RMSNorm(H, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(H, eps)
+        self.has_per_layer_input = bool(config.hidden_size_per_layer_input)
+        if self.has_per_layer_input:
+            P = config.hidden_size_per_layer_input
+            self.per_layer_input_gate = nn.Linear(H, P, bias=False)
+            self.per_layer_projection = nn.Linear(P, H, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(H, eps)
+        self.layer_scalar = mx.ones((1,))
+
+    def __call__(self, x, per_layer_input, cache, offset: int, read: str, read_args: dict) -> mx.array:
+        attended = self.self_attn(self.input_layernorm(x), cache, offset, read, read_args)
+        h = x + self.post_attention_layernorm(attended)
+        ff = self.mlp(self.pre_feedforward_layernorm(h))
+        if self.has_moe:
+            # The router and the experts read the post-attention residual, not the dense MLP's input.
+            weights, indices = self.router(h)
+            routed = self.experts(self.pre_feedforward_layernorm_2(h), indices, weights)
+            ff = self.post_feedforward_layernorm_1(ff) + self.post_feedforward_layernorm_2(routed)
+        h = h + self.post_feedforward_layernorm(ff)
+        if self.has_per_layer_input:
+            gated = nn.gelu_approx(self.per_layer_input_gate(h)) * per_layer_input
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return h * self.layer_scalar
+
+
+def _compute_dtype(module: nn.Module) -> mx.Dtype:
+    """The float dtype of an embedding's weights (a quantized embedding keeps it in its scales)."""
+    return module["scales"].dtype if "scales" in module else module.weight.dtype
+
+
+class Gemma4TextModel(nn.Module):
+    """Gemma 4 text model with its tied (or separate) LM head: ``input_ids [B, L] -> logits [B, L, V]``.
+
+    Parameter names are transformers' ``Gemma4TextModel`` names (no ``model.`` prefix), experts as
+    ``experts.switch_glu.{gate,up,down}_proj``; ``lm_head`` exists only when embeddings are untied.
+    Computation runs in the weights' dtype.
+    """
+
+    def __init__(self, config: Gemma4TextConfig):
+        super().__init__()
+        self.config = config
+        H, L, P = config.hidden_size, config.num_hidden_layers, config.hidden_size_per_layer_input
+        ropes = {t: RoPE(config.head_dim_of(t), config.rope_parameters[t]) for t in sorted(set(config.layer_types))}
+        self.embed_tokens = nn.Embedding(config.vocab_size, H)
+        self.layers = [DecoderLayer(config, g, ropes[g.layer_type]) for g in config.layers]
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        if P:
+            self.embed_tokens_per_layer = nn.Embedding(config.vocab_size_per_layer_input, L * P)
+            self.per_layer_model_projection = nn.Linear(H, L * P, bias=False)
+            self.per_layer_projection_norm = RMSNorm(P, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(H, config.vocab_size, bias=False)
+
+    # ------------------------------------------------------------------------------ caches
+    def make_cache(self) -> list:
+        """One cache per layer: ``KVCache`` on full layers, ``RotatingKVCache(window)`` on sliding layers,
+        and on KV-shared layers a ``shared_view`` of the last earlier layer of the same type."""
+        donors = self.config.kv_donors
+        caches: list = []
+        for geometry in self.config.layers:
+            if geometry.reuses_kv:
+                caches.append(caches[donors[geometry.layer_type]].shared_view())
+            elif geometry.layer_type == SLIDING:
+                caches.append(RotatingKVCache(self.config.sliding_window))
+            else:
+                caches.append(KVCache())
+        return caches
+
+    # ------------------------------------------------------------------------------ forward
+    def __call__(self, input_ids: mx.array, cache: list | None = None) -> mx.array:
+        """Logits for every position of ``input_ids``.
+
+        Without ``cache`` this is the no-cache forward (fresh caches for this call only). With one,
+        the ids are appended: a ``window`` read for L > 1, a ``decode`` read for L == 1.
+        """
+        if self.config.use_bidirectional_attention == "all":
+            return self._bidirectional_forward(input_ids, cache)
+        if cache is None:
+            return self.forward(input_ids, self.make_cache(), "window")
+        return self.forward(input_ids, cache, "decode" if input_ids.shape[1] == 1 else "window")
+
+    def _bidirectional_forward(self, input_ids: mx.array, cache) -> mx.array:
+        """``use_bidirectional_attention="all"``: every query sees every key, limited on sliding layers
+        to ``|q - k| <= sliding_window`` (the config's already halved window).
+
+        The cache has no read for that symmetric window yet, so only the no-cache forward over a
+        sequence short enough for the window not to bind is supported: there the encoder read with
+        the whole sequence as one block is exactly all-visible.
+        """
+        L = input_ids.shape[1]
+        if cache is not None:
+            raise NotImplementedError("Gemma 4 use_bidirectional_attention='all' has no cached generation")
+        if L - 1 > self.config.sliding_window:
+            raise NotImplementedError(
+                f"Gemma 4 use_bidirectional_attention='all': a sequence of {L} positions needs the symmetric "
+                f"sliding window |q - k| <= {self.config.sliding_window}, which no cache read provides yet"
+            )
+        one_block = mx.zeros(input_ids.shape, dtype=mx.int32)
+        return self.forward(input_ids, self.make_cache(), "encoder", {"blocks": one_block})
+
+    def forward(self, input_ids: mx.array, cache: list, read: str, read_args: dict | None = None) -> mx.array:
+        """Run every layer with the given read (``window``, ``decode``, ``vision_prefill``, ``encoder``) on its cache."""
+        if len(cache) != len(self.layers):
+            raise ValueError(f"Gemma4TextModel: cache has {len(cache)} entries for {len(self.layers)} layers")
+        offset = cache[0].offset  # layer 0 always owns storage; read before any layer writes
+        h = self.embed(input_ids)
+        per_layer_inputs = self.per_layer_inputs(input_ids, h) if "embed_tokens_per_layer" in self else None
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+            per_layer_input = None if per_layer_inputs is None else per_layer_inputs[:, :, i, :]
+            h = layer(h, per_layer_input, layer_cache, offset, read, read_args or {})
+        return self.logits(self.norm(h))
+
+    def embed(self, input_ids: mx.array) -> mx.array:
+        """``E[ids] * sqrt(H)``, the scale cast to the weights' dtype first (bf16 rounds it, as the reference does)."""
+        scale = mx.array(math.sqrt(self.config.hidden_size), dtype=_compute_dtype(self.embed_tokens))
+        return self.embed_tokens(input_ids) * scale
+
+    def per_layer_inputs(self, input_ids: mx.array, embedded: mx.array) -> mx.array:
+        """Per-layer embeddings ``[B, L, layers, P]``: a token-identity part plus a projection of the embedding."""
+        B, L = input_ids.shape
+        layers, P = self.config.num_hidden_layers, self.config.hidden_size_per_layer_input
+        scale = mx.array(math.sqrt(P), dtype=_compute_dtype(self.embed_tokens_per_layer))
+        token_part = (self.embed_tokens_per_layer(input_ids) * scale).reshape(B, L, layers, P)
+        context = self.per_layer_model_projection(embedded) * (self.config.hidden_size**-0.5)
+        context = self.per_layer_projection_norm(context.reshape(B, L, layers, P))
+        return (context + token_part) * (2.0**-0.5)
+
+    def logits(self, h: mx.array) -> mx.array:
+        out = self.lm_head(h) if "lm_head" in self else self.embed_tokens.as_linear(h)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            out = cap * mx.tanh(out / cap)
+        return out

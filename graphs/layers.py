@@ -1,0 +1,120 @@
+"""Building blocks shared by the Gemma-family graphs: RMSNorm, RoPE kinds, GeGLU MLP, MoE router and experts.
+
+Parameter names follow transformers' module names (and mlx-lm's ``switch_glu`` for experts), so
+a checkpoint maps onto them with renames only where the storage layout differs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchGLU
+
+
+class RMSNorm(nn.Module):
+    """``x * (mean(x²) + eps)^-0.5``, times ``weight`` when it has one.
+
+    Gemma 4 multiplies by ``weight`` itself (initialised to ones), not by ``1 + weight`` as Gemma 2/3
+    did; its value norm, router norm and embedder norms have no weight at all.
+    """
+
+    def __init__(self, dims: int, eps: float, with_weight: bool = True):
+        super().__init__()
+        self.eps = eps
+        if with_weight:
+            self.weight = mx.ones((dims,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.get("weight"), self.eps)
+
+
+class RoPE(nn.Module):
+    """Rotary embedding over the full head dim, pairing dim i with i + D/2 (``rotate_half``).
+
+    ``default``: frequencies ``theta^(-2j/D)`` for every pair. ``proportional`` (Gemma 4 full layers):
+    only the first ``int(partial_rotary_factor * D // 2)`` pairs rotate, with frequencies still
+    computed over the full D (optionally divided by ``factor``); the remaining pairs get an infinite
+    period, i.e. they are left unrotated. That is not "standard partial RoPE on the first dims".
+    """
+
+    def __init__(self, head_dim: int, params: Mapping[str, Any]):
+        super().__init__()
+        self.head_dim = head_dim
+        rope_type = params["rope_type"]
+        theta = float(params["rope_theta"])
+        if rope_type == "default":
+            self._base, self._periods = theta, None
+        elif rope_type == "proportional":
+            rotated = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
+            factor = float(params.get("factor", 1.0))
+            periods = factor * theta ** (mx.arange(0, 2 * rotated, 2, dtype=mx.float32) / head_dim)
+            still = mx.full((head_dim // 2 - rotated,), math.inf, dtype=mx.float32)
+            self._base, self._periods = None, mx.concatenate([periods, still])
+        else:
+            raise ValueError(f"RoPE: unsupported rope_type {rope_type!r}")
+
+    def __call__(self, x: mx.array, offset: int) -> mx.array:
+        """``x [B, H, L, D]`` at absolute positions ``offset .. offset + L - 1``."""
+        return mx.fast.rope(
+            x, self.head_dim, traditional=False, base=self._base, scale=1.0, offset=offset, freqs=self._periods
+        )
+
+
+def gelu_gated(up: mx.array, gate: mx.array) -> mx.array:
+    """GeGLU's gating with the tanh GELU (``gelu_pytorch_tanh``), in SwitchGLU's (up, gate) order."""
+    return nn.gelu_approx(gate) * up
+
+
+class GeGLUMLP(nn.Module):
+    """``down(gelu(gate(x)) * up(x))``, no biases."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(gelu_gated(self.up_proj(x), self.gate_proj(x)))
+
+
+class Router(nn.Module):
+    """Gemma 4's expert router: top-k of a float32 softmax, renormalised, times a per-expert scale.
+
+    Its input is the raw residual stream; it is normalised here without a learned weight and scaled
+    by ``scale * hidden_size^-0.5`` before the projection.
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, eps: float):
+        super().__init__()
+        self.top_k = top_k
+        self.norm = RMSNorm(hidden_size, eps, with_weight=False)
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False)
+        self.scale = mx.ones((hidden_size,))
+        self.per_expert_scale = mx.ones((num_experts,))
+        self.input_scale = hidden_size**-0.5
+
+    def __call__(self, residual: mx.array) -> tuple[mx.array, mx.array]:
+        """Returns ``(weights [..., k] float32, expert indices [..., k])``."""
+        scores = self.proj(self.norm(residual) * self.scale * self.input_scale)
+        probs = mx.softmax(scores.astype(mx.float32), axis=-1)
+        indices = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
+        weights = mx.take_along_axis(probs, indices, axis=-1)
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+        return weights * self.per_expert_scale[indices], indices
+
+
+class Experts(nn.Module):
+    """The routed GeGLU experts, computed with mlx-lm's ``SwitchGLU`` gather kernels (no per-expert loop)."""
+
+    def __init__(self, hidden_size: int, moe_intermediate_size: int, num_experts: int):
+        super().__init__()
+        self.switch_glu = SwitchGLU(hidden_size, moe_intermediate_size, num_experts, activation=gelu_gated, bias=False)
+
+    def __call__(self, x: mx.array, indices: mx.array, weights: mx.array) -> mx.array:
+        """``x [..., H]``; each token's chosen experts' outputs, summed with the routing weights."""
+        per_expert = self.switch_glu(x, indices)  # [..., k, H]
+        return (per_expert * weights[..., None]).sum(axis=-2).astype(x.dtype)

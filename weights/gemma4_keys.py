@@ -1,0 +1,146 @@
+"""Checkpoint key mapping for the Gemma 4 text graph (``graphs.gemma4_text.Gemma4TextModel``).
+
+Accepted layouts (detected once per checkpoint, from its keys):
+
+| layout | text prefix | experts |
+|---|---|---|
+| transformers ``Gemma4ForCausalLM`` | ``model.`` | ``experts.gate_up_proj [E, 2*Im, H]``, ``experts.down_proj`` |
+| transformers ``Gemma4ForConditionalGeneration`` | ``model.language_model.`` | same |
+| mlx-lm / mlx-vlm ``gemma4`` | ``language_model.model.`` | ``experts.switch_glu.{gate,up,down}_proj.*`` |
+| mlx-lm ``gemma4_text`` | ``model.`` | same |
+
+Only keys known to carry nothing the text graph uses are dropped (each logged at debug level): the
+k/v projections and norms of KV-shared layers, rotary buffers, a tied ``lm_head``, and the vision
+and audio towers and their embedders. Anything else unexpected, anything missing and any shape
+mismatch raises ``ValueError`` naming the key, so a wrong or partial checkpoint never loads silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Mapping, Sequence
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from models.gemma4_config import Gemma4TextConfig
+
+logger = logging.getLogger(__name__)
+
+# Checked in this order: "model." is a prefix of "model.language_model.".
+TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.")
+MULTIMODAL_PARTS = ("vision_tower", "embed_vision", "audio_tower", "embed_audio")
+LM_HEAD_PREFIXES = ("lm_head.", "language_model.lm_head.")
+
+_LAYER_KEY = re.compile(r"layers\.(\d+)\.(.+)")
+_SHARED_LAYER_KV = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.", "self_attn.v_norm.")
+
+
+def map_gemma4_text_weights(
+    weights: Mapping[str, mx.array],
+    config: Gemma4TextConfig,
+    expected: Mapping[str, Sequence[int]],
+) -> dict[str, mx.array]:
+    """Map a checkpoint's ``{key: array}`` onto the graph's parameter names.
+
+    ``expected`` is ``{parameter name: shape}`` of the graph that will receive the result (see
+    ``parameter_shapes``); it is what makes missing keys and shape mismatches detectable here.
+    Arrays keep their dtype. Raises ``ValueError`` on an unexpected, missing or misshapen key.
+    """
+    prefix = _text_prefix(weights)
+    mapped: dict[str, mx.array] = {}
+    for key, value in weights.items():
+        if key.startswith(prefix):
+            name = key[len(prefix) :]
+            reason = _dropped_inside(name, config)
+        else:
+            name, reason = _outside_text(key, prefix, config)
+        if reason:
+            logger.debug("gemma4 keys: dropping %s (%s)", key, reason)
+            continue
+        for target, array in _rename(key, name, value, expected):
+            if target in mapped:
+                raise ValueError(f"gemma4 keys: {key!r} maps to {target!r}, which another key already provided")
+            mapped[target] = array
+    _check_complete(mapped, expected)
+    return mapped
+
+
+def parameter_shapes(model) -> dict[str, tuple[int, ...]]:
+    """``{parameter name: shape}`` of an ``mlx.nn.Module``, the ``expected`` argument of the mapping."""
+    return {name: tuple(array.shape) for name, array in tree_flatten(model.parameters())}
+
+
+def load_gemma4_text_weights(model, weights: Mapping[str, mx.array]) -> None:
+    """Map ``weights`` onto ``model`` (a ``Gemma4TextModel``) and load them strictly."""
+    mapped = map_gemma4_text_weights(weights, model.config, parameter_shapes(model))
+    model.load_weights(list(mapped.items()), strict=True)
+
+
+def _text_prefix(weights: Mapping[str, mx.array]) -> str:
+    for prefix in TEXT_PREFIXES:
+        if any(key.startswith(prefix) for key in weights):
+            return prefix
+    sample = sorted(weights)[:5]
+    raise ValueError(f"gemma4 keys: no Gemma 4 text weights found (looked for {TEXT_PREFIXES}); first keys: {sample}")
+
+
+def _dropped_inside(name: str, config: Gemma4TextConfig) -> str | None:
+    """Why a key under the text prefix carries nothing for the graph, or None when it must be loaded."""
+    if name.startswith("rotary_emb.") or ".rotary_emb." in name:
+        return "rotary buffer, recomputed"
+    layer_key = _LAYER_KEY.fullmatch(name)
+    if layer_key and layer_key.group(2).startswith(_SHARED_LAYER_KV):
+        layer = int(layer_key.group(1))
+        if layer < config.num_hidden_layers and config.kv_sharing_modes[layer] == "reuse":
+            return f"layer {layer} reuses the keys and values of an earlier layer"
+    return None
+
+
+def _outside_text(key: str, prefix: str, config: Gemma4TextConfig) -> tuple[str, str | None]:
+    """A key outside the text prefix: an LM head (its graph name), a multimodal part (dropped), or an error."""
+    for head_prefix in LM_HEAD_PREFIXES:
+        if key.startswith(head_prefix):
+            name = "lm_head." + key[len(head_prefix) :]
+            return name, ("tied to embed_tokens" if config.tie_word_embeddings else None)
+    first_part = key.removeprefix("model.").split(".", 1)[0]
+    if first_part in MULTIMODAL_PARTS:
+        return key, f"{first_part} is not part of the text model"
+    raise ValueError(f"gemma4 keys: unexpected key {key!r} (the text weights are under {prefix!r})")
+
+
+def _rename(key: str, name: str, value: mx.array, expected: Mapping[str, Sequence[int]]):
+    """The graph's (name, array) pairs for one checkpoint entry, shape-checked."""
+    if name.endswith(".experts.gate_up_proj"):
+        # transformers packs [gate; up] along the output axis: rows [0, Im) gate, [Im, 2 Im) up.
+        base = name.removesuffix("gate_up_proj") + "switch_glu."
+        gate_name, up_name = base + "gate_proj.weight", base + "up_proj.weight"
+        gate_shape = _expected_shape(key, gate_name, expected)
+        packed_shape = (*gate_shape[:-2], 2 * gate_shape[-2], gate_shape[-1])
+        _check_shape(key, tuple(value.shape), packed_shape)
+        gate, up = mx.split(value, 2, axis=-2)
+        return [(gate_name, mx.contiguous(gate)), (up_name, mx.contiguous(up))]
+    if name.endswith(".experts.down_proj"):
+        name = name.removesuffix("down_proj") + "switch_glu.down_proj.weight"
+    _check_shape(key, tuple(value.shape), _expected_shape(key, name, expected))
+    return [(name, value)]
+
+
+def _expected_shape(key: str, name: str, expected: Mapping[str, Sequence[int]]) -> tuple[int, ...]:
+    if name not in expected:
+        raise ValueError(f"gemma4 keys: unexpected key {key!r} (no parameter {name!r} in the graph)")
+    return tuple(expected[name])
+
+
+def _check_shape(key: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+    if got != want:
+        raise ValueError(f"gemma4 keys: {key!r} has shape {list(got)} in the checkpoint, the graph expects {list(want)}")
+
+
+def _check_complete(mapped: Mapping[str, mx.array], expected: Mapping[str, Sequence[int]]) -> None:
+    missing = sorted(set(expected) - set(mapped))
+    if missing:
+        shown = ", ".join(repr(m) for m in missing[:20])
+        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        raise ValueError(f"gemma4 keys: the checkpoint lacks {len(missing)} parameters: {shown}{more}")
