@@ -1,0 +1,234 @@
+"""Checkpoint reading: folder/Hub resolution, config.json, single and sharded safetensors, damage reports."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from weights import (
+    CheckpointError,
+    ModelNotAvailableError,
+    load_safetensors,
+    parse_dtype,
+    read_config,
+    resolve_model_path,
+)
+
+TENSORS = {
+    "embed.weight": np.arange(24, dtype=np.float32).reshape(6, 4),
+    "layers.0.w": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4),
+    "layers.1.w": np.ones((2, 2), dtype=np.float16),
+    "layers.1.q": np.arange(8, dtype=np.uint32),
+}
+
+
+def make_single(folder, tensors=TENSORS):
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
+def make_sharded(folder):
+    """Two shards and an index, laid out as transformers writes them."""
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+    keys = sorted(TENSORS)
+    shards = {"model-00001-of-00002.safetensors": keys[:2], "model-00002-of-00002.safetensors": keys[2:]}
+    weight_map = {}
+    for name, shard_keys in shards.items():
+        save_file({k: TENSORS[k] for k in shard_keys}, str(folder / name))
+        weight_map.update(dict.fromkeys(shard_keys, name))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder, weight_map
+
+
+def assert_same(weights):
+    assert set(weights) == set(TENSORS)
+    for key, expected in TENSORS.items():
+        assert weights[key].dtype == mx.array(expected).dtype
+        np.testing.assert_array_equal(np.array(weights[key]), expected)
+
+
+# ----------------------------------------------------------------------------- resolve + config
+
+
+def test_local_folder_is_used_as_is(tmp_path):
+    folder = make_single(tmp_path / "ckpt")
+    assert resolve_model_path(str(folder)) == folder
+    assert read_config(folder) == {"model_type": "tiny"}
+
+
+def test_folder_without_config_is_rejected_by_name(tmp_path):
+    (tmp_path / "noconf").mkdir()
+    with pytest.raises(FileNotFoundError, match="noconf.*config.json"):
+        resolve_model_path(str(tmp_path / "noconf"))
+
+
+def test_missing_local_path_is_not_sent_to_the_hub(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        resolve_model_path(str(tmp_path / "does-not-exist"))
+
+
+def test_offline_unknown_repo_id_fails_fast_with_a_hint(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.monotonic()
+    with pytest.raises(ModelNotAvailableError) as info:
+        resolve_model_path("no-such-org/no-such-model-xyz", cache_dir=tmp_path)
+    assert time.monotonic() - start < 10
+    message = str(info.value)
+    assert "no-such-org/no-such-model-xyz" in message
+    assert "HF_HUB_OFFLINE" in message and "local folder" in message
+    assert isinstance(info.value, OSError)
+
+
+def test_offline_repo_id_is_served_from_the_hf_cache(monkeypatch, tmp_path):
+    """A repo already in the HF cache resolves without the network (the cache layout the Hub writes)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    repo = tmp_path / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    assert resolve_model_path("org/tiny", cache_dir=tmp_path) == snapshot
+
+
+def test_read_config_errors_name_the_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        read_config(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        read_config(tmp_path)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def test_single_file_loads_with_sources(tmp_path):
+    weights, sources = load_safetensors(make_single(tmp_path / "ckpt"))
+    assert_same(weights)
+    assert sources == dict.fromkeys(TENSORS, "model.safetensors")
+
+
+def test_sharded_checkpoint_loads_with_sources(tmp_path):
+    folder, weight_map = make_sharded(tmp_path / "ckpt")
+    weights, sources = load_safetensors(folder)
+    assert_same(weights)
+    assert sources == weight_map
+
+
+def test_bf16_round_trip_keeps_dtype(tmp_path):
+    folder = tmp_path / "bf16"
+    folder.mkdir()
+    x = mx.array([[1.5, -2.25, 3.0e5], [0.0078125, 7.0, -0.5]], dtype=mx.bfloat16)
+    mx.save_safetensors(str(folder / "model.safetensors"), {"x": x})
+    weights, _ = load_safetensors(folder)
+    assert weights["x"].dtype == mx.bfloat16
+    assert mx.array_equal(weights["x"], x).item()
+
+
+def test_dtype_casts_floating_tensors_only(tmp_path):
+    folder = make_single(tmp_path / "ckpt")
+    for spelled in ("bfloat16", mx.bfloat16):
+        weights, _ = load_safetensors(folder, dtype=spelled)
+        assert weights["embed.weight"].dtype == mx.bfloat16
+        assert weights["layers.1.w"].dtype == mx.bfloat16
+        assert weights["layers.1.q"].dtype == mx.uint32
+    assert parse_dtype("float16") == mx.float16 and parse_dtype(None) is None
+
+
+def test_unknown_dtype_is_named(tmp_path):
+    with pytest.raises(ValueError, match="'float8'"):
+        load_safetensors(make_single(tmp_path / "ckpt"), dtype="float8")
+
+
+def test_folder_without_weights_names_the_expected_files(tmp_path):
+    (tmp_path / "w.safetensors").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"model\.safetensors\.index\.json.*w\.safetensors"):
+        load_safetensors(tmp_path)
+
+
+# ----------------------------------------------------------------------------- damage reports
+
+
+def test_truncated_file_is_named(tmp_path):
+    folder = make_single(tmp_path / "ckpt")
+    file = folder / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:-10])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is truncated"):
+        load_safetensors(folder)
+
+
+def test_file_cut_inside_the_header_is_named(tmp_path):
+    folder = make_single(tmp_path / "ckpt")
+    file = folder / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:20])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is truncated or not a safetensors file"):
+        load_safetensors(folder)
+    file.write_bytes(b"abc")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors is 3 bytes"):
+        load_safetensors(folder)
+
+
+def test_corrupt_header_is_named(tmp_path):
+    folder = make_single(tmp_path / "ckpt")
+    file = folder / "model.safetensors"
+    data = bytearray(file.read_bytes())
+    data[8:12] = b"#@!?"
+    file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors has a corrupt header"):
+        load_safetensors(folder)
+
+
+def test_header_offsets_that_disagree_with_the_shape_are_named(tmp_path):
+    folder = make_single(tmp_path / "ckpt", {"a": np.zeros((2, 3), np.float32)})
+    file = folder / "model.safetensors"
+    data = file.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    header["a"]["shape"] = [3, 3]
+    raw = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(raw) == n
+    file.write_bytes(data[:8] + raw + data[8 + n :])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: tensor 'a'"):
+        load_safetensors(folder)
+
+
+def test_missing_shard_names_shard_and_index(tmp_path):
+    folder, _ = make_sharded(tmp_path / "ckpt")
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002\.safetensors.*model\.safetensors\.index\.json"):
+        load_safetensors(folder)
+
+
+def test_key_missing_from_its_shard_names_key_shard_and_index(tmp_path):
+    folder, weight_map = make_sharded(tmp_path / "ckpt")
+    shard = "model-00002-of-00002.safetensors"
+    kept = {k: TENSORS[k] for k, name in weight_map.items() if name == shard and k != "layers.1.w"}
+    save_file(kept, str(folder / shard))
+    with pytest.raises(CheckpointError) as info:
+        load_safetensors(folder)
+    message = str(info.value)
+    assert "'layers.1.w'" in message and shard in message and "model.safetensors.index.json" in message
+
+
+def test_truncated_shard_is_named(tmp_path):
+    folder, _ = make_sharded(tmp_path / "ckpt")
+    file = folder / "model-00001-of-00002.safetensors"
+    file.write_bytes(file.read_bytes()[:-1])
+    with pytest.raises(CheckpointError, match=r"model-00001-of-00002\.safetensors is truncated"):
+        load_safetensors(folder)
+
+
+def test_corrupt_index_is_named(tmp_path):
+    folder, _ = make_sharded(tmp_path / "ckpt")
+    (folder / "model.safetensors.index.json").write_text("{]")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json is not valid JSON"):
+        load_safetensors(folder)

@@ -1,0 +1,119 @@
+"""Turn what the user typed (a local folder or a Hub repo id) into a local checkpoint folder.
+
+A checkpoint folder is one with a ``config.json``; everything else (weights, tokenizer, chat
+template) is read from it by the other modules. The Hub is only one way to fill that folder, so a
+failed download must tell the user how to skip it: pass a local folder instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+from huggingface_hub import constants as hf_constants
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import (
+    HFValidationError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+
+# What inference needs from a repo: configs, weights, tokenizer (tokenizer.json and its configs are
+# *.json; tokenizer.model is the SentencePiece fallback) and the chat template. Leaving out the rest
+# skips PyTorch *.bin duplicates, GGUF variants and images that some repos also carry.
+DEFAULT_ALLOW_PATTERNS = ("*.json", "*.safetensors", "tokenizer.model", "*.jinja")
+
+
+class ModelNotAvailableError(OSError):
+    """A Hub repo id could not be turned into a local folder (offline and not cached, or no such repo)."""
+
+
+def resolve_model_path(
+    path_or_id: str | os.PathLike,
+    allow_patterns: Iterable[str] | None = None,
+    *,
+    cache_dir: str | os.PathLike | None = None,
+) -> Path:
+    """The local checkpoint folder for ``path_or_id``.
+
+    An existing folder is used as is. Anything else is taken as a Hub repo id and fetched with
+    ``snapshot_download`` into the HF cache (``cache_dir``, default: the usual HF cache), limited to
+    ``allow_patterns`` (default :data:`DEFAULT_ALLOW_PATTERNS`). ``HF_HUB_OFFLINE=1`` is read at call
+    time, so it also works when set after ``huggingface_hub`` was imported: then only the cache is used.
+    """
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return _checked_folder(path)
+    if _looks_like_local_path(str(path_or_id)):
+        raise FileNotFoundError(f"Model folder {str(path_or_id)!r} does not exist (or is not a folder).")
+    return _checked_folder(_download(str(path_or_id), allow_patterns, cache_dir))
+
+
+def read_config(folder: str | os.PathLike) -> dict:
+    """The checkpoint's ``config.json`` as a dict, with errors that name the file."""
+    file = Path(folder) / "config.json"
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{file} not found: a checkpoint folder needs a config.json.") from None
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} must hold a JSON object, found {type(config).__name__}.")
+    return config
+
+
+def _checked_folder(folder: Path) -> Path:
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} has no config.json, so it is not a model checkpoint folder.")
+    return folder
+
+
+def _looks_like_local_path(text: str) -> bool:
+    """Strings a Hub id can never be: absolute or relative paths and paths with more than one part."""
+    return (
+        os.path.isabs(text)
+        or text.startswith((".", "~"))
+        or text.count("/") > 1
+        or (os.sep != "/" and os.sep in text)
+        or os.path.exists(text)
+    )
+
+
+def _offline() -> bool:
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return hf_constants.HF_HUB_OFFLINE or value.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _download(repo_id: str, allow_patterns: Iterable[str] | None, cache_dir) -> Path:
+    patterns = list(DEFAULT_ALLOW_PATTERNS if allow_patterns is None else allow_patterns)
+    local_hint = (
+        f"Download it where the Hub is reachable (e.g. `hf download {repo_id} --local-dir DIR`) "
+        "and pass that local folder instead of the repo id."
+    )
+    try:
+        folder = snapshot_download(
+            repo_id, allow_patterns=patterns, cache_dir=cache_dir, local_files_only=_offline()
+        )
+    except HFValidationError as e:
+        raise ModelNotAvailableError(
+            f"{repo_id!r} is neither an existing local folder nor a valid Hub repo id ({e})."
+        ) from e
+    except LocalEntryNotFoundError as e:
+        why = "HF_HUB_OFFLINE is set" if _offline() else "the Hub could not be reached"
+        raise ModelNotAvailableError(
+            f"Could not fetch {repo_id!r}: {why} and it is not in the local Hugging Face cache. {local_hint}"
+        ) from e
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        raise ModelNotAvailableError(
+            f"The Hub has no repo {repo_id!r} (or it is gated/private and no token is set). {local_hint}"
+        ) from e
+    except HfHubHTTPError as e:
+        raise ModelNotAvailableError(f"Could not fetch {repo_id!r} from the Hub: {e}. {local_hint}") from e
+    return Path(folder)

@@ -1,0 +1,159 @@
+"""Read a checkpoint's safetensors files (single or sharded) into MLX arrays.
+
+``mx.load`` reads safetensors lazily and its errors on a damaged file do not say which file it was
+(``[read] Unable to read 3 bytes from file``), so every file's header is checked here first: a
+truncated download or a corrupt header becomes an error naming the file. Sharded checkpoints are
+checked against their index, so a missing shard or a key the index promises but no shard holds is
+reported by name instead of surfacing later as a missing weight.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# safetensors' own limit; a larger length means the first 8 bytes are not a header length at all.
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+_ITEM_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
+    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
+    "U32": 4, "I32": 4, "F32": 4,
+    "U64": 8, "I64": 8, "F64": 8,
+}  # fmt: skip
+
+_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file exists but its content is damaged or disagrees with its index."""
+
+
+def load_safetensors(
+    folder: str | os.PathLike, dtype: str | mx.Dtype | None = None
+) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """All tensors of the checkpoint in ``folder``, and for each key the file name it came from.
+
+    Reads ``model.safetensors`` or, failing that, the shards listed in ``model.safetensors.index.json``.
+    The checkpoint's dtypes are kept (bf16 stays bf16) unless ``dtype`` ("float32", "bfloat16",
+    "float16" or an ``mx`` dtype) is given, which floating tensors are cast to; integer tensors
+    (quantized weights) are never cast.
+    """
+    target = parse_dtype(dtype)
+    folder = Path(folder)
+    if (folder / SINGLE_FILE).is_file():
+        files = [SINGLE_FILE]
+        expected: dict[str, str] = {}
+    elif (folder / INDEX_FILE).is_file():
+        expected = _read_index(folder / INDEX_FILE)
+        files = sorted(set(expected.values()))
+    else:
+        present = sorted(p.name for p in folder.glob("*.safetensors")) if folder.is_dir() else []
+        raise FileNotFoundError(
+            f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}"
+            + (f" (safetensors files found: {', '.join(present)})." if present else ".")
+        )
+
+    weights: dict[str, mx.array] = {}
+    sources: dict[str, str] = {}
+    for name in files:
+        path = folder / name
+        if not path.is_file():
+            raise FileNotFoundError(f"Shard {name} listed in {folder / INDEX_FILE} does not exist.")
+        check_safetensors_file(path)
+        for key, array in mx.load(str(path)).items():
+            if key in sources:
+                raise CheckpointError(f"Tensor {key!r} is in both {sources[key]} and {name} (in {folder}).")
+            if target is not None and mx.issubdtype(array.dtype, mx.floating):
+                array = array.astype(target)
+            weights[key] = array
+            sources[key] = name
+
+    for key, name in expected.items():
+        if sources.get(key) != name:
+            found = f" (it is in {sources[key]})" if key in sources else ""
+            raise CheckpointError(
+                f"{folder / INDEX_FILE} lists tensor {key!r} in {name}, but {name} does not hold it{found}."
+            )
+    return weights, sources
+
+
+def check_safetensors_file(path: str | os.PathLike) -> list[str]:
+    """Check a safetensors file's header and length; return its tensor names.
+
+    Catches what a partial download or a damaged file looks like: a header length that does not fit,
+    a header that is not JSON, a tensor whose byte range does not match its shape and dtype, and
+    data that ends before the header says it does.
+    """
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size < 8:
+            raise CheckpointError(f"{path} is {size} bytes, too short to be a safetensors file.")
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
+            raise CheckpointError(
+                f"{path} is truncated or not a safetensors file: its header claims {header_len} bytes "
+                f"but the file has {size}."
+            )
+        raw = f.read(header_len)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path} has a corrupt header (not valid JSON: {e}).") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} has a corrupt header (a JSON {type(header).__name__}, not an object).")
+
+    data_bytes = size - 8 - header_len
+    names = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            start, end = (int(x) for x in info["data_offsets"])
+            shape, dtype = info["shape"], info["dtype"]
+            nbytes = math.prod(shape) * _ITEM_BYTES[dtype] if dtype in _ITEM_BYTES else end - start
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{path} has a corrupt header entry for tensor {name!r}: {info!r}.") from None
+        if end - start != nbytes:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} ({dtype}, shape {shape}) should take {nbytes} bytes "
+                f"but its offsets span {end - start}."
+            )
+        if end > data_bytes:
+            raise CheckpointError(
+                f"{path} is truncated: tensor {name!r} ends at data byte {end} but the file holds only "
+                f"{data_bytes} bytes of data (incomplete download?)."
+            )
+        names.append(name)
+    return names
+
+
+def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:
+    """``None``, an ``mx`` dtype, or one of the names "float32", "bfloat16", "float16"."""
+    if dtype is None or isinstance(dtype, mx.Dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise ValueError(f"Unknown dtype {dtype!r}; use one of {', '.join(_DTYPES)} or an mlx.core dtype.")
+
+
+def _read_index(index: Path) -> dict[str, str]:
+    """The index's ``weight_map`` (tensor name -> shard file name)."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{index} is not valid JSON: {e}") from None
+    except (KeyError, TypeError):
+        raise CheckpointError(f"{index} has no 'weight_map' object.") from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names.")
+    return weight_map
