@@ -1,0 +1,209 @@
+"""The Gemma 3 text decoder (transformers 5.24 ``Gemma3ForCausalLM``) as an MLX graph.
+
+Every attention is one read on the layer's cache (``cache/``): the graph computes normed, rotated
+queries, keys and values and never builds a mask. What differs from Gemma 4 is small and all here:
+norms scale by ``1 + weight``, scores by ``query_pre_attn_scalar ** -0.5``, keys and values keep
+every layer's own projections, and full layers may use linearly scaled RoPE. The GeGLU MLP and the
+RoPE kernel are the shared ones from ``graphs.layers``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from cache import KVCache, RotatingKVCache
+from models.gemma3_config import SLIDING, Gemma3TextConfig
+
+from .layers import GeGLUMLP, RoPE
+
+# Where the text weights sit in each checkpoint layout, checked in this order ("model." is a prefix
+# of "model.language_model."): transformers Gemma3ForConditionalGeneration, mlx-vlm / older
+# transformers multimodal, Gemma3ForCausalLM (and mlx-lm), Gemma3TextModel (EmbeddingGemma-style).
+TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "")
+LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
+MULTIMODAL_PARTS = ("vision_tower", "multi_modal_projector")
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma 2/3 RMSNorm: ``x * rsqrt(mean(x²) + eps) * (1 + weight)``, weight initialised to zeros.
+
+    As in the reference, the norm and the ``1 + weight`` scale are computed in float32 and the
+    result is cast back to the input dtype, so bf16 weights are not rounded again after the +1.
+    """
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = mx.zeros((dims,))
+
+    def __call__(self, x: mx.array) -> mx.array:
+        scale = 1.0 + self.weight.astype(mx.float32)
+        return mx.fast.rms_norm(x.astype(mx.float32), scale, self.eps).astype(x.dtype)
+
+
+def shared_rope(head_dim: int, params: Mapping[str, Any]) -> RoPE:
+    """``graphs.layers.RoPE`` for a Gemma 3 layer type.
+
+    Linear scaling divides every frequency by ``factor``. That is exactly ``layers.RoPE``'s
+    ``proportional`` kind with every pair rotated (``partial_rotary_factor`` 1), whose periods are
+    ``factor * theta^(2j/D)``; the default kind passes through unchanged.
+    """
+    if params["rope_type"] == "linear":
+        return RoPE(
+            head_dim,
+            {"rope_type": "proportional", "partial_rotary_factor": 1.0, "factor": params["factor"], "rope_theta": params["rope_theta"]},
+        )
+    return RoPE(head_dim, params)
+
+
+class Attention(nn.Module):
+    """Self-attention of one layer; the read on ``cache`` does the attending (and the writing)."""
+
+    def __init__(self, config: Gemma3TextConfig, rope: RoPE):
+        super().__init__()
+        H, D = config.hidden_size, config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = D
+        self.scale = config.attention_scale
+        self.rope = rope
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(H, self.num_heads * D, bias=bias)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
+        self.q_norm = GemmaRMSNorm(D, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(D, config.rms_norm_eps)
+
+    def __call__(self, x: mx.array, cache, offset: int) -> mx.array:
+        B, L, _ = x.shape
+        heads = lambda t, n: t.reshape(B, L, n, self.head_dim).transpose(0, 2, 1, 3)  # noqa: E731
+        q = self.rope(self.q_norm(heads(self.q_proj(x), self.num_heads)), offset)
+        k = self.rope(self.k_norm(heads(self.k_proj(x), self.num_kv_heads)), offset)
+        v = heads(self.v_proj(x), self.num_kv_heads)
+        read = cache.decode if L == 1 else cache.window
+        out = read(q, k, v, scale=self.scale)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DecoderLayer(nn.Module):
+    """Sandwich-normed attention and GeGLU feed-forward, each added to the residual stream."""
+
+    def __init__(self, config: Gemma3TextConfig, rope: RoPE):
+        super().__init__()
+        H, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = Attention(config, rope)
+        self.mlp = GeGLUMLP(H, config.intermediate_size)
+        self.input_layernorm = GemmaRMSNorm(H, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(H, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(H, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(H, eps)
+
+    def __call__(self, x: mx.array, cache, offset: int) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache, offset))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3TextModel(nn.Module):
+    """Gemma 3 text model with its tied (or separate) LM head: ``input_ids [B, L] -> logits [B, L, V]``.
+
+    Parameter names are transformers' ``Gemma3TextModel`` names (no ``model.`` prefix); ``lm_head``
+    exists only when embeddings are untied. Computation runs in the weights' dtype.
+    """
+
+    def __init__(self, config: Gemma3TextConfig):
+        super().__init__()
+        self.config = config
+        H = config.hidden_size
+        ropes = {t: shared_rope(config.head_dim, config.rope_parameters[t]) for t in sorted(set(config.layer_types))}
+        self.embed_tokens = nn.Embedding(config.vocab_size, H)
+        self.layers = [DecoderLayer(config, ropes[t]) for t in config.layer_types]
+        self.norm = GemmaRMSNorm(H, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(H, config.vocab_size, bias=False)
+
+    def make_cache(self) -> list:
+        """One cache per layer: ``RotatingKVCache(sliding_window)`` on sliding layers, ``KVCache`` on full ones.
+
+        The reference's sliding mask lets position p see keys in ``(p - sliding_window, p]``, which is
+        the rotating cache's window semantics as is.
+        """
+        return [
+            RotatingKVCache(self.config.sliding_window) if t == SLIDING else KVCache() for t in self.config.layer_types
+        ]
+
+    def __call__(self, input_ids: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
+        """Logits for every position of ``input_ids`` (only the last one with ``last_only``).
+
+        Without ``cache`` this is the no-cache forward: fresh caches and one ``window`` read per layer.
+        With one, the ids are appended: a ``window`` read for L > 1, a ``decode`` read for L == 1.
+        """
+        cache = self.make_cache() if cache is None else cache
+        if len(cache) != len(self.layers):
+            raise ValueError(f"Gemma3TextModel: cache has {len(cache)} entries for {len(self.layers)} layers")
+        offset = cache[0].offset  # read before any layer writes
+        h = self.embed(input_ids)
+        for layer, layer_cache in zip(self.layers, cache):
+            h = layer(h, layer_cache, offset)
+        h = self.norm(h[:, -1:] if last_only else h)
+        return self.logits(h)
+
+    def embed(self, input_ids: mx.array) -> mx.array:
+        """``E[ids] * sqrt(H)``, the scale cast to the weights' dtype first (bf16 rounds it, as the reference does)."""
+        scale = mx.array(math.sqrt(self.config.hidden_size), dtype=self.embed_tokens.weight.dtype)
+        return self.embed_tokens(input_ids) * scale
+
+    def logits(self, h: mx.array) -> mx.array:
+        out = self.lm_head(h) if "lm_head" in self else self.embed_tokens.as_linear(h)
+        cap = self.config.final_logit_softcapping
+        if cap:
+            out = cap * mx.tanh(out / cap)
+        return out
+
+
+def map_gemma3_text_weights(weights: Mapping[str, mx.array], model: Gemma3TextModel) -> dict[str, mx.array]:
+    """Map a checkpoint's ``{key: array}`` onto ``model``'s parameter names, strictly.
+
+    The text weights are found under one of ``TEXT_PREFIXES``; a tied ``lm_head``, rotary buffers
+    and the vision tower / projector of a multimodal checkpoint are dropped. Any other unexpected
+    key, a missing parameter or a shape mismatch raises ``ValueError`` naming the key.
+    """
+    expected = {name: tuple(a.shape) for name, a in tree_flatten(model.parameters())}
+    prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in weights), None)
+    if prefix is None:
+        raise ValueError(f"gemma3 keys: no embed_tokens.weight under any of {TEXT_PREFIXES}; first keys: {sorted(weights)[:5]}")
+    mapped: dict[str, mx.array] = {}
+    for key, value in weights.items():
+        if key in LM_HEAD_KEYS:
+            if model.config.tie_word_embeddings:
+                continue
+            name = "lm_head.weight"
+        elif key.startswith(prefix):
+            name = key[len(prefix) :]
+            if "rotary_emb." in name:
+                continue
+        elif key.removeprefix("model.").split(".", 1)[0] in MULTIMODAL_PARTS:
+            continue
+        else:
+            raise ValueError(f"gemma3 keys: unexpected key {key!r} (the text weights are under {prefix!r})")
+        if name not in expected:
+            raise ValueError(f"gemma3 keys: unexpected key {key!r} (no parameter {name!r} in the graph)")
+        if tuple(value.shape) != expected[name]:
+            raise ValueError(
+                f"gemma3 keys: {key!r} has shape {list(value.shape)} in the checkpoint, the graph expects {list(expected[name])}"
+            )
+        mapped[name] = value
+    missing = sorted(set(expected) - set(mapped))
+    if missing:
+        raise ValueError(f"gemma3 keys: the checkpoint lacks {len(missing)} parameters: {', '.join(missing[:20])}")
+    return mapped
+
+
+def load_gemma3_text_weights(model: Gemma3TextModel, weights: Mapping[str, mx.array]) -> None:
+    """Map ``weights`` onto ``model`` and load them strictly (the registry's ``load_weights`` hook)."""
+    model.load_weights(list(map_gemma3_text_weights(weights, model).items()), strict=True)

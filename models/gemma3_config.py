@@ -1,0 +1,178 @@
+"""The Gemma 3 text model's configuration, parsed from a ``config.json`` dict.
+
+Checkpoints spell Gemma 3's RoPE in two ways: the released Hub configs (and what our GGUF import
+writes) use ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling``, while transformers 5.24
+writes a ``rope_parameters`` dict per layer type. ``Gemma3TextConfig.__post_init__`` and
+``convert_rope_params_to_dict`` resolve both into per-type parameters and derive ``layer_types``
+from ``sliding_window_pattern`` when the list is absent; this module reproduces those rules and
+refuses what the graph does not implement instead of silently running a different model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+SLIDING = "sliding_attention"
+FULL = "full_attention"
+LAYER_TYPES = (SLIDING, FULL)
+
+SUPPORTED_ROPE_TYPES = ("default", "linear")
+SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh",)
+# transformers' Gemma3TextConfig.default_theta.
+DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
+# transformers reads the period from the ``sliding_window_pattern`` kwarg only (default 6).
+DEFAULT_SLIDING_WINDOW_PATTERN = 6
+
+# transformers' dataclass defaults for every field the graph reads.
+_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262_208,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    hidden_activation="gelu_pytorch_tanh",
+    max_position_embeddings=131_072,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    attention_bias=False,
+    query_pre_attn_scalar=256,
+    sliding_window=4096,
+    final_logit_softcapping=None,
+)
+
+# Keys that change the maths in ways the graph does not build; a config that sets them is refused.
+_REFUSED = {
+    # The cache reads call the fused attention kernel, which has no score softcapping (Gemma 2 had it).
+    "attn_logit_softcapping": None,
+    # EmbeddingGemma's bidirectional encoder: no cache read gives a symmetric window.
+    "use_bidirectional_attention": False,
+}
+
+
+@dataclass(frozen=True)
+class Gemma3TextConfig:
+    """The fields of transformers' ``Gemma3TextConfig`` that shape the graph, after its derivations.
+
+    ``rope_parameters`` maps each layer type to ``{"rope_type": "default" | "linear", "rope_theta": ...,
+    "factor": ...}`` (``factor`` only for linear).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    hidden_activation: str
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    query_pre_attn_scalar: float
+    sliding_window: int
+    final_logit_softcapping: float | None
+    layer_types: tuple[str, ...]
+    rope_parameters: Mapping[str, Mapping[str, Any]]
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "Gemma3TextConfig":
+        """Parse a ``config.json`` dict: ``gemma3_text``, or ``gemma3`` with a ``text_config`` inside."""
+        model_type = raw.get("model_type")
+        if model_type == "gemma3":
+            text = dict(raw.get("text_config") or {})
+            inner_type = text.get("model_type", "gemma3_text")
+            if inner_type != "gemma3_text":
+                raise ValueError(f"Gemma3TextConfig: unsupported text_config model_type {inner_type!r} inside gemma3")
+        elif model_type == "gemma3_text":
+            text = dict(raw)
+        else:
+            raise ValueError(f"Gemma3TextConfig: unsupported model_type {model_type!r}; expected 'gemma3_text' or 'gemma3'")
+        return cls._from_text_dict(text)
+
+    @classmethod
+    def _from_text_dict(cls, text: dict) -> "Gemma3TextConfig":
+        for key, inert in _REFUSED.items():
+            if text.get(key, inert) not in (inert, None):
+                raise ValueError(f"Gemma3TextConfig: {key}={text[key]!r} is not supported by the graph (only {inert!r})")
+        fields = {name: text.get(name, default) for name, default in _DEFAULTS.items()}
+        if fields["hidden_activation"] not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"Gemma3TextConfig: unsupported hidden_activation {fields['hidden_activation']!r}; "
+                f"supported: {SUPPORTED_ACTIVATIONS}"
+            )
+        L = int(fields["num_hidden_layers"])
+        pattern = text.get("sliding_window_pattern", DEFAULT_SLIDING_WINDOW_PATTERN)
+        config = cls(
+            layer_types=_layer_types(text.get("layer_types"), L, pattern),
+            rope_parameters=_rope_parameters(text),
+            **fields,
+        )
+        config._validate()
+        return config
+
+    def _validate(self) -> None:
+        if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"Gemma3TextConfig: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if SLIDING in self.layer_types and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(f"Gemma3TextConfig: sliding layers need sliding_window >= 1, got {self.sliding_window!r}")
+
+    @property
+    def attention_scale(self) -> float:
+        """Gemma 3 scales scores by ``query_pre_attn_scalar ** -0.5``, not by ``head_dim ** -0.5``."""
+        return float(self.query_pre_attn_scalar) ** -0.5
+
+
+def _layer_types(given, num_layers: int, pattern) -> tuple[str, ...]:
+    """The given list, or transformers' default: every ``pattern``-th layer full, the others sliding."""
+    if given is None:
+        if not isinstance(pattern, int) or pattern < 1:
+            raise ValueError(f"Gemma3TextConfig: sliding_window_pattern must be a positive int, got {pattern!r}")
+        return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
+    types = tuple(given)
+    if len(types) != num_layers:
+        raise ValueError(f"Gemma3TextConfig: layer_types has {len(types)} entries for {num_layers} layers")
+    unknown = sorted(set(types) - set(LAYER_TYPES))
+    if unknown:
+        raise ValueError(f"Gemma3TextConfig: unsupported layer types {unknown}; supported: {LAYER_TYPES}")
+    return types
+
+
+def _rope_parameters(text: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per-type RoPE as ``convert_rope_params_to_dict`` resolves it.
+
+    ``rope_parameters`` entries win; ``rope_scaling`` (the old key) updates the full-attention entry;
+    a missing ``rope_theta`` comes from ``rope_theta`` (full) or ``rope_local_base_freq`` (sliding),
+    then from the defaults 1e6 / 1e4.
+    """
+    given = text.get("rope_parameters") or {}
+    if given and not set(given) <= set(LAYER_TYPES):
+        raise ValueError(
+            f"Gemma3TextConfig: rope_parameters must be keyed by layer type {LAYER_TYPES}, got keys {sorted(given)}"
+        )
+    params = {t: dict(given.get(t) or {"rope_type": "default"}) for t in LAYER_TYPES}
+    if text.get("rope_scaling"):
+        params[FULL].update(text["rope_scaling"])
+    fallback_theta = {FULL: text.get("rope_theta"), SLIDING: text.get("rope_local_base_freq")}
+    resolved = {}
+    for layer_type, entry in params.items():
+        rope_type = entry.get("rope_type", entry.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"Gemma3TextConfig: unsupported rope_type {rope_type!r} for {layer_type}; supported: {SUPPORTED_ROPE_TYPES}"
+            )
+        theta = entry.get("rope_theta") or fallback_theta[layer_type] or DEFAULT_THETA[layer_type]
+        out = {"rope_type": rope_type, "rope_theta": float(theta)}
+        if rope_type == "linear":
+            factor = entry.get("factor")
+            if not isinstance(factor, (int, float)) or factor <= 0:
+                raise ValueError(f"Gemma3TextConfig: linear RoPE for {layer_type} needs a positive factor, got {factor!r}")
+            out["factor"] = float(factor)
+        resolved[layer_type] = out
+    return resolved
