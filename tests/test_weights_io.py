@@ -204,7 +204,8 @@ def test_header_offsets_that_disagree_with_the_shape_are_named(tmp_path):
 def test_missing_shard_names_shard_and_index(tmp_path):
     folder, _ = make_sharded(tmp_path / "ckpt")
     (folder / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match=r"model-00002-of-00002\.safetensors.*model\.safetensors\.index\.json"):
+    shard_then_index = r"model-00002-of-00002\.safetensors.*model\.safetensors\.index\.json"
+    with pytest.raises(FileNotFoundError, match=shard_then_index):
         load_safetensors(folder)
 
 
