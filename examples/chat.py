@@ -1,0 +1,111 @@
+"""Chat with a Gemma model in the terminal, or answer one prompt.
+
+    python -m examples.chat                          # interactive, streamed, history kept in the cache
+    python -m examples.chat --prompt "Hello"         # one shot (--prompt - reads stdin)
+
+In the chat, Ctrl-C stops the current answer (not the session); /reset clears the history; /quit
+(or Ctrl-D) leaves. Flags follow mlx-lm's spelling where they overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from contextlib import contextmanager
+
+import models
+from models.chat import ChatSession
+from models.generate import DEFAULT_PREFILL_STEP, SamplingOptions
+
+DEFAULT_MODEL = "google/gemma-4-E2B-it"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a zoo name, a Hub repo id or a local folder")
+    p.add_argument("--prompt", "-p", help="answer this one prompt and exit ('-' reads it from stdin)")
+    p.add_argument("--system-prompt", help="a system prompt for the conversation")
+    p.add_argument("--thinking", action="store_true", help="switch on the model's thinking mode (Gemma 4)")
+    p.add_argument("--max-tokens", "-m", type=int, default=512)
+    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP)
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights on load")
+    p.add_argument("--verbose", action="store_true", help="print tokens/s and peak memory after each answer")
+    return p.parse_args(argv)
+
+
+@contextmanager
+def ctrl_c_stops_answer():
+    """While an answer streams, Ctrl-C asks the loop to stop between tokens instead of raising."""
+    requested = [False]
+
+    def handler(signum, frame):
+        requested[0] = True
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield lambda: requested[0]
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def answer(session: ChatSession, text: str, verbose: bool) -> None:
+    with ctrl_c_stops_answer() as should_stop:
+        for piece in session.send(text, should_stop=should_stop):
+            print(piece, end="", flush=True)
+    print(flush=True)
+    stats = session.last_stats
+    if stats and stats.finish_reason == "interrupted":
+        print("[stopped]", flush=True)
+    if verbose and stats:
+        print(
+            f"[prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tokens/s | "
+            f"generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tokens/s | "
+            f"peak memory {stats.peak_memory_gb:.2f} GB]",
+            flush=True,
+        )
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        model = models.load(args.model, dtype=args.dtype)
+    except models.ModelNotAvailableError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    session = ChatSession(
+        model,
+        system_prompt=args.system_prompt,
+        enable_thinking=args.thinking,
+        sampling=SamplingOptions(args.temp, args.top_p, args.top_k, args.min_p, args.seed),
+        max_tokens=args.max_tokens,
+        prefill_step_size=args.prefill_step_size,
+    )
+    if args.prompt is not None:
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        answer(session, prompt, args.verbose)
+        return 0
+    print(f"Chatting with {args.model}. Ctrl-C stops an answer; /reset clears the history; /quit leaves.")
+    while True:
+        try:
+            text = input(">> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if text.strip() == "/quit":
+            return 0
+        if text.strip() == "/reset":
+            session.reset()
+            print("[history cleared]")
+            continue
+        if text.strip():
+            answer(session, text, args.verbose)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

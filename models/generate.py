@@ -1,0 +1,131 @@
+"""The autoregressive loop: chunked prefill through ``window`` reads, decode through ``decode`` reads.
+
+Sampling (temperature, top-p, top-k, min-p) is mlx-lm's ``make_sampler`` and streaming
+detokenization is mlx-lm's detokenizer; what is ours is the loop over our caches, the stop rule and
+the bookkeeping that lets a chat keep its cache across turns (every yielded token has been fed to
+the cache; a stop token never is).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator, Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
+
+DEFAULT_PREFILL_STEP = 512
+
+
+@dataclass
+class SamplingOptions:
+    """mlx-lm's sampling knobs; ``temp == 0`` is greedy."""
+
+    temp: float = 0.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    def sampler(self) -> Callable[[mx.array], mx.array]:
+        for name, value, ok in (
+            ("temp", self.temp, self.temp >= 0),
+            ("top_p", self.top_p, 0 <= self.top_p <= 1),
+            ("top_k", self.top_k, self.top_k >= 0),
+            ("min_p", self.min_p, 0 <= self.min_p <= 1),
+        ):
+            if not ok:
+                raise ValueError(f"sampling option {name}={value} is out of range")
+        if self.seed is not None:
+            mx.random.seed(self.seed)
+        return make_sampler(temp=self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generation_tokens: int = 0
+    generation_seconds: float = 0.0
+    peak_memory_gb: float = 0.0
+    finish_reason: str | None = None  # "stop", "length" or "interrupted"
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        return self.generation_tokens / self.generation_seconds if self.generation_seconds else 0.0
+
+
+def prefill(forward, ids: Sequence[int], cache, step: int = DEFAULT_PREFILL_STEP) -> mx.array:
+    """Feed ``ids`` to the cache in chunks of ``step``; returns the logits of the last position [V]."""
+    if not ids:
+        raise ValueError("prefill: the prompt is empty")
+    if step < 1:
+        raise ValueError(f"prefill_step_size must be >= 1, got {step}")
+    logits = None
+    for start in range(0, len(ids), step):
+        chunk = mx.array([list(ids[start : start + step])])
+        logits = forward(chunk, cache, last_only=True)
+        mx.eval(logits)
+        mx.clear_cache()
+    return logits[0, -1]
+
+
+def generate_tokens(
+    forward,
+    prompt_ids: Sequence[int],
+    cache,
+    *,
+    sampling: SamplingOptions | None = None,
+    max_tokens: int = 256,
+    stop_ids: Iterable[int] = (),
+    prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    should_stop: Callable[[], bool] = lambda: False,
+    stats: GenerationStats | None = None,
+) -> Iterator[int]:
+    """Yield generated token ids; each yielded id has already been fed to ``cache``.
+
+    ``forward(ids [1, L], cache, last_only)`` returns logits; the next step is queued before a
+    token is yielded (``mx.async_eval``) so the host's work overlaps the device's. A stop id ends
+    the stream unyielded and unfed, so a chat's cache holds exactly the prompt and the answer.
+    """
+    sampler = (sampling or SamplingOptions()).sampler()
+    stop_ids = set(stop_ids)
+    stats = stats if stats is not None else GenerationStats()
+
+    def sample(logits: mx.array) -> mx.array:
+        logits = logits.astype(mx.float32)
+        return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+    start = time.perf_counter()
+    y = sample(prefill(forward, prompt_ids, cache, prefill_step_size)[None])
+    mx.eval(y)
+    stats.prompt_tokens = len(prompt_ids)
+    stats.prompt_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    try:
+        while True:
+            token = int(y.item())
+            if token in stop_ids:
+                stats.finish_reason = "stop"
+                return
+            if stats.generation_tokens >= max_tokens:
+                stats.finish_reason = "length"
+                return
+            if should_stop():
+                stats.finish_reason = "interrupted"
+                return
+            next_y = sample(forward(y.reshape(1, 1), cache, last_only=True)[:, -1])
+            mx.async_eval(next_y)
+            stats.generation_tokens += 1
+            stats.tokens.append(token)
+            yield token
+            y = next_y
+    finally:
+        stats.generation_seconds = time.perf_counter() - start
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9

@@ -1,0 +1,45 @@
+"""``load()``: resolve a model, read its config and weights, build the graph, attach the tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mlx_lm.tokenizer_utils import load as load_mlx_lm_tokenizer
+
+from weights import load_safetensors, read_config, resolve_model_path
+
+from .model import Model
+from .registry import architecture_for
+
+
+def read_generation_config(folder: Path) -> dict:
+    path = folder / "generation_config.json"
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: invalid JSON ({err})") from err
+
+
+def load(name_or_path: str, dtype=None, tokenizer: bool = True) -> Model:
+    """Load a model by zoo name, local folder or Hub repo id.
+
+    ``dtype`` casts floating weights (default: keep the checkpoint's dtype). The tokenizer, with
+    mlx-lm's streaming detokenizer, is attached unless ``tokenizer=False``.
+    """
+    folder = resolve_model_path(str(name_or_path))
+    config_dict = read_config(folder)
+    architecture = architecture_for(config_dict.get("model_type"), str(folder / "config.json"))
+    config = architecture.parse_config(config_dict)
+    graph = architecture.build_graph(config)
+    weights, _ = load_safetensors(folder, dtype=dtype)
+    architecture.load_weights(graph, weights)
+    graph.eval()
+    generation_config = read_generation_config(folder)
+    wrapper = None
+    if tokenizer:
+        eos = generation_config.get("eos_token_id")
+        wrapper = load_mlx_lm_tokenizer(folder, eos_token_ids=eos)
+    return Model(graph, config, wrapper, generation_config, folder, config_dict["model_type"])
