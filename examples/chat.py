@@ -10,9 +10,11 @@ In the chat, Ctrl-C stops the current answer (not the session); /reset clears th
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import models
 from models.chat import ChatSession
@@ -36,6 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights on load")
     p.add_argument("--verbose", action="store_true", help="print tokens/s and peak memory after each answer")
+    p.add_argument("--transcript", help="write the conversation (JSON messages) to this file after every answer")
     return p.parse_args(argv)
 
 
@@ -54,7 +57,7 @@ def ctrl_c_stops_answer():
         signal.signal(signal.SIGINT, previous)
 
 
-def answer(session: ChatSession, text: str, verbose: bool) -> None:
+def answer(session: ChatSession, text: str, verbose: bool, transcript: str | None) -> None:
     with ctrl_c_stops_answer() as should_stop:
         for piece in session.send(text, should_stop=should_stop):
             print(piece, end="", flush=True)
@@ -62,6 +65,8 @@ def answer(session: ChatSession, text: str, verbose: bool) -> None:
     stats = session.last_stats
     if stats and stats.finish_reason == "interrupted":
         print("[stopped]", flush=True)
+    if transcript:
+        Path(transcript).write_text(json.dumps(session.messages, indent=2, ensure_ascii=False))
     if verbose and stats:
         print(
             f"[prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tokens/s | "
@@ -88,7 +93,7 @@ def main(argv=None) -> int:
     )
     if args.prompt is not None:
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        answer(session, prompt, args.verbose)
+        answer(session, prompt, args.verbose, args.transcript)
         return 0
     print(f"Chatting with {args.model}. Ctrl-C stops an answer; /reset clears the history; /quit leaves.")
     while True:
@@ -104,7 +109,7 @@ def main(argv=None) -> int:
             print("[history cleared]")
             continue
         if text.strip():
-            answer(session, text, args.verbose)
+            answer(session, text, args.verbose, args.transcript)
 
 
 if __name__ == "__main__":
