@@ -67,6 +67,12 @@ TEXT_CONFIGS = {
 TEXT_CONFIGS["T2_wide_window"] = dict(TEXT_CONFIGS["T2"], sliding_window=64)
 # num_global_key_value_heads must be ignored without attention_k_eq_v: full layers keep 2 kv heads.
 TEXT_CONFIGS["T3_no_k_eq_v"] = dict(TEXT_CONFIGS["T3"], attention_k_eq_v=False)
+# Attention biases and a separate LM head: off in the releases, supported by the reference.
+TEXT_CONFIGS["T1_bias_untied"] = dict(TEXT_CONFIGS["T1"], attention_bias=True, tie_word_embeddings=False)
+# E2B's shape in small: default layer pattern (S S S S S F S F), the last two layers reuse 4 and 5.
+TEXT_CONFIGS["E2B_like"] = dict(
+    TEXT_CONFIGS["T2"], num_hidden_layers=8, layer_types=None, num_kv_shared_layers=2, sliding_window=8
+)
 
 T5_TEXT = dict(
     vocab_size=512,

@@ -24,6 +24,7 @@ CONFIGS = {
     "T2": hf_tiny.TEXT_CONFIGS["T2"],
     "T3": hf_tiny.TEXT_CONFIGS["T3"],
     "T2_window16": dict(hf_tiny.TEXT_CONFIGS["T2"], sliding_window=16),
+    "E2B_like": hf_tiny.TEXT_CONFIGS["E2B_like"],
 }
 
 

@@ -17,6 +17,7 @@ pytest.importorskip("transformers")
 from tests import hf_tiny  # noqa: E402
 
 TOL = 1e-4
+LONG_TOL = 2e-4
 SEQ = 20
 
 
@@ -37,7 +38,7 @@ def worst_diff(hf_model, model, ids) -> float:
     return float(np.abs(reference_logits(hf_model, ids) - our_logits(model, ids)).max())
 
 
-CASES = ["T1", "T2", "T3", "T2_wide_window", "T3_no_k_eq_v"]
+CASES = ["T1", "T2", "T3", "T2_wide_window", "T3_no_k_eq_v", "T1_bias_untied", "E2B_like"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -48,18 +49,17 @@ def test_logits_match_transformers(tmp_path, name):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_long_sequence_within_reference_fp32_error(tmp_path, name):
-    """Over 160 positions, as close to the float64 reference as the reference's own fp32 run (x2).
+def test_long_sequence_against_float64(tmp_path, name):
+    """Over 160 positions, against the reference computed in float64.
 
     Attention with scale 1.0 on unit-RMS q/k is sharply peaked, so fp32 rounding grows with the
-    attended span: the reference's own fp32 logits drift 5e-5 to 8e-5 from float64 here.
+    attended span and the depth: here the reference's own fp32 logits drift up to 1.2e-4 from
+    float64, and ours up to 1.1e-4 (bit-identical to mlx-lm's gemma4_text on the dense checkpoints).
     """
     hf_model = hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS[name], tmp_path)
     model = hf_tiny.load_graph(tmp_path)
     ids = random_ids(2, 160, 256, seed=1)
-    exact = hf_tiny.float64_logits(hf_model, ids)
-    reference_error = np.abs(reference_logits(hf_model, ids) - exact).max()
-    assert np.abs(our_logits(model, ids) - exact).max() <= max(TOL, 2 * reference_error)
+    assert np.abs(our_logits(model, ids) - hf_tiny.float64_logits(hf_model, ids)).max() <= LONG_TOL
 
 
 def test_global_kv_heads_ignored_without_k_eq_v(tmp_path):
