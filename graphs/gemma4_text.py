@@ -17,7 +17,7 @@ import mlx.nn as nn
 from cache import KVCache, RotatingKVCache
 from models.gemma4_config import SLIDING, Gemma4TextConfig, LayerGeometry
 
-from .layers import Experts, GeGLUMLP, RMSNorm, RoPE, Router
+from .layers import Experts, GeGLUMLP, RMSNorm, RoPE, Router, scaled
 
 # q_norm and k_norm take the place of 1/sqrt(head_dim).
 ATTENTION_SCALE = 1.0
@@ -47,18 +47,22 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, cache, offset: int, read: str, read_args: dict) -> mx.array:
         B, L, _ = x.shape
-        heads = lambda t, n: t.reshape(B, L, n, self.head_dim)  # noqa: E731
-        q = self.rope(self.q_norm(heads(self.q_proj(x), self.num_heads)).transpose(0, 2, 1, 3), offset)
+        q = self.rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), offset)
         if self.reuses_kv:
             out = getattr(cache, read)(q, scale=ATTENTION_SCALE, **read_args)
         else:
-            raw_k = heads(self.k_proj(x), self.num_kv_heads)
+            raw_k = self.k_proj(x)
             # attention_k_eq_v: values are the raw k_proj output (before k_norm and RoPE).
-            raw_v = heads(self.v_proj(x), self.num_kv_heads) if "v_proj" in self else raw_k
-            k = self.rope(self.k_norm(raw_k).transpose(0, 2, 1, 3), offset)
-            v = self.v_norm(raw_v).transpose(0, 2, 1, 3)
+            raw_v = self.v_proj(x) if "v_proj" in self else raw_k
+            k = self.rope(self.k_norm(self._heads(raw_k, self.num_kv_heads)), offset)
+            v = self.v_norm(self._heads(raw_v, self.num_kv_heads))
             out = getattr(cache, read)(q, k, v, scale=ATTENTION_SCALE, **read_args)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _heads(self, projected: mx.array, num_heads: int) -> mx.array:
+        """``[B, L, heads * D] -> [B, heads, L, D]``."""
+        B, L, _ = projected.shape
+        return projected.reshape(B, L, num_heads, self.head_dim).transpose(0, 2, 1, 3)
 
 
 class DecoderLayer(nn.Module):
@@ -202,9 +206,9 @@ class Gemma4TextModel(nn.Module):
         layers, P = self.config.num_hidden_layers, self.config.hidden_size_per_layer_input
         scale = mx.array(math.sqrt(P), dtype=_compute_dtype(self.embed_tokens_per_layer))
         token_part = (self.embed_tokens_per_layer(input_ids) * scale).reshape(B, L, layers, P)
-        context = self.per_layer_model_projection(embedded) * (self.config.hidden_size**-0.5)
+        context = scaled(self.per_layer_model_projection(embedded), self.config.hidden_size**-0.5)
         context = self.per_layer_projection_norm(context.reshape(B, L, layers, P))
-        return (context + token_part) * (2.0**-0.5)
+        return scaled(context + token_part, 2.0**-0.5)
 
     def logits(self, h: mx.array) -> mx.array:
         out = self.lm_head(h) if "lm_head" in self else self.embed_tokens.as_linear(h)

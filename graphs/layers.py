@@ -14,11 +14,22 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import SwitchGLU
 
 
+def scaled(x: mx.array, factor: float) -> mx.array:
+    """``x * factor`` with the factor at float32 precision and one rounding, as torch does.
+
+    MLX casts a Python scalar to the array's dtype first, so in bf16 ``x * hidden_size**-0.5``
+    would use a rounded factor; the reference (transformers) keeps these factors exact.
+    """
+    return (x.astype(mx.float32) * factor).astype(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """``x * (mean(x²) + eps)^-0.5``, times ``weight`` when it has one.
 
     Gemma 4 multiplies by ``weight`` itself (initialised to ones), not by ``1 + weight`` as Gemma 2/3
-    did; its value norm, router norm and embedder norms have no weight at all.
+    did; its value norm, router norm and embedder norms have no weight at all. Like the reference,
+    the weight is applied in float32 and the result rounded once: MLX's fused kernel on bf16 input
+    rounds before the weight multiply, which moves a quarter of the outputs by one bf16 ulp.
     """
 
     def __init__(self, dims: int, eps: float, with_weight: bool = True):
@@ -28,7 +39,10 @@ class RMSNorm(nn.Module):
             self.weight = mx.ones((dims,))
 
     def __call__(self, x: mx.array) -> mx.array:
-        return mx.fast.rms_norm(x, self.get("weight"), self.eps)
+        weight = self.get("weight")
+        if weight is not None:
+            weight = weight.astype(mx.float32)
+        return mx.fast.rms_norm(x.astype(mx.float32), weight, self.eps).astype(x.dtype)
 
 
 class RoPE(nn.Module):
@@ -99,7 +113,7 @@ class Router(nn.Module):
 
     def __call__(self, residual: mx.array) -> tuple[mx.array, mx.array]:
         """Returns ``(weights [..., k] float32, expert indices [..., k])``."""
-        scores = self.proj(self.norm(residual) * self.scale * self.input_scale)
+        scores = self.proj(scaled(self.norm(residual) * self.scale, self.input_scale))
         probs = mx.softmax(scores.astype(mx.float32), axis=-1)
         indices = mx.argpartition(-probs, kth=self.top_k - 1, axis=-1)[..., : self.top_k]
         weights = mx.take_along_axis(probs, indices, axis=-1)

@@ -122,3 +122,19 @@ def test_bidirectional_all_refuses_what_no_read_provides(tmp_path):
         model(mx.array(random_ids(1, 5, 256)))
     with pytest.raises(NotImplementedError, match="cached generation"):
         model(mx.array(random_ids(1, 2, 256)), cache=model.make_cache())
+
+
+def test_embedding_scales_round_in_weight_dtype(tmp_path):
+    """bf16 rounds sqrt(H) and sqrt(P) before the multiply (sqrt(48) -> 6.9375, sqrt(12) -> 3.46875)."""
+    config = dict(hf_tiny.TEXT_CONFIGS["T2"], hidden_size=48, hidden_size_per_layer_input=12)
+    hf_model = hf_tiny.save_causal_lm(config, tmp_path, dtype=torch.bfloat16)
+    model = hf_tiny.load_graph(tmp_path)
+    ids = random_ids(2, SEQ, 256)
+    with torch.no_grad():
+        embedded = hf_model.model.embed_tokens(torch.tensor(ids))
+        token_part = hf_model.model.get_per_layer_inputs(torch.tensor(ids))
+        per_layer = hf_model.model.project_per_layer_inputs(embedded, token_part)
+    ours = model.embed(mx.array(ids))
+    np.testing.assert_array_equal(np.array(ours.astype(mx.float32)), embedded.float().numpy())
+    ours_per_layer = np.array(model.per_layer_inputs(mx.array(ids), ours).astype(mx.float32))
+    np.testing.assert_array_equal(ours_per_layer, per_layer.float().numpy())
