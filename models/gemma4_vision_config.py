@@ -1,0 +1,104 @@
+"""The Gemma 4 vision tower's configuration, parsed from a ``config.json`` dict.
+
+The same tower serves Gemma 4 (``gemma4``: ``vision_config`` inside) and DiffusionGemma
+(``diffusion_gemma``: same), and transformers saves a bare ``Gemma4VisionModel`` as
+``gemma4_vision``. Values the graph does not implement (biases, another activation or RoPE type)
+are refused here rather than silently running a different model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh",)
+# transformers normalises "default" to "axial" for the vision tower.
+SUPPORTED_ROPE_TYPES = ("axial", "default")
+CONTAINER_MODEL_TYPES = ("gemma4", "diffusion_gemma")
+
+# transformers 5.24's ``Gemma4VisionConfig`` defaults for every field the graph reads.
+_DEFAULTS: dict[str, Any] = dict(
+    hidden_size=768,
+    intermediate_size=3072,
+    num_hidden_layers=16,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    head_dim=64,
+    hidden_activation="gelu_pytorch_tanh",
+    rms_norm_eps=1e-6,
+    patch_size=16,
+    pooling_kernel_size=3,
+    position_embedding_size=10 * 1024,
+    use_clipped_linears=False,
+    standardize=False,
+)
+_DEFAULT_ROPE_THETA = 100.0
+
+
+@dataclass(frozen=True)
+class Gemma4VisionConfig:
+    """The fields of transformers' ``Gemma4VisionConfig`` that shape the vision graph."""
+
+    hidden_size: int = _DEFAULTS["hidden_size"]
+    intermediate_size: int = _DEFAULTS["intermediate_size"]
+    num_hidden_layers: int = _DEFAULTS["num_hidden_layers"]
+    num_attention_heads: int = _DEFAULTS["num_attention_heads"]
+    num_key_value_heads: int = _DEFAULTS["num_key_value_heads"]
+    head_dim: int = _DEFAULTS["head_dim"]
+    hidden_activation: str = _DEFAULTS["hidden_activation"]
+    rms_norm_eps: float = _DEFAULTS["rms_norm_eps"]
+    patch_size: int = _DEFAULTS["patch_size"]
+    pooling_kernel_size: int = _DEFAULTS["pooling_kernel_size"]
+    position_embedding_size: int = _DEFAULTS["position_embedding_size"]
+    use_clipped_linears: bool = _DEFAULTS["use_clipped_linears"]
+    standardize: bool = _DEFAULTS["standardize"]
+    rope_theta: float = _DEFAULT_ROPE_THETA
+
+    def __post_init__(self) -> None:
+        if self.hidden_activation not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"Gemma4VisionConfig: unsupported hidden_activation {self.hidden_activation!r}; "
+                f"supported: {SUPPORTED_ACTIVATIONS}"
+            )
+        if self.head_dim % 4:
+            raise ValueError(
+                f"Gemma4VisionConfig: head_dim must be a multiple of 4 (2-D RoPE rotates pairs inside each "
+                f"half), got {self.head_dim}"
+            )
+        if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"Gemma4VisionConfig: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        for name in ("patch_size", "pooling_kernel_size", "position_embedding_size", "num_hidden_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Gemma4VisionConfig: {name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "Gemma4VisionConfig":
+        """Parse ``gemma4_vision``, or ``gemma4`` / ``diffusion_gemma`` with a ``vision_config`` inside."""
+        model_type = raw.get("model_type")
+        if model_type in CONTAINER_MODEL_TYPES:
+            vision = raw.get("vision_config")
+            if not vision:
+                raise ValueError(f"Gemma4VisionConfig: this {model_type} config has no vision_config (a text-only model)")
+        elif model_type == "gemma4_vision":
+            vision = raw
+        else:
+            raise ValueError(
+                f"Gemma4VisionConfig: unsupported model_type {model_type!r}; expected 'gemma4_vision' or one of "
+                f"{CONTAINER_MODEL_TYPES} with a vision_config"
+            )
+        if vision.get("attention_bias"):
+            raise ValueError("Gemma4VisionConfig: attention_bias=True is not implemented (Gemma 4 has no biases)")
+        fields = {name: vision.get(name, default) for name, default in _DEFAULTS.items()}
+        return cls(rope_theta=_rope_theta(vision.get("rope_parameters")), **fields)
+
+
+def _rope_theta(rope_parameters: Mapping[str, Any] | None) -> float:
+    if not rope_parameters:
+        return _DEFAULT_ROPE_THETA
+    rope_type = rope_parameters.get("rope_type", "axial")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"Gemma4VisionConfig: unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    return float(rope_parameters.get("rope_theta", _DEFAULT_ROPE_THETA))

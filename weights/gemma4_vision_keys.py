@@ -1,0 +1,127 @@
+"""Checkpoint key mapping for the Gemma 4 vision tower and embedder (``graphs.gemma4_vision``).
+
+Our module names mirror transformers' below the part's prefix, so mapping is stripping the prefix.
+Accepted layouts (detected from the keys, first match wins):
+
+| layout | tower prefix | embedder prefix |
+|---|---|---|
+| transformers ``Gemma4ForConditionalGeneration`` (released Gemma 4) | ``model.vision_tower.`` | ``model.embed_vision.`` |
+| transformers ``DiffusionGemmaForBlockDiffusion`` | ``model.encoder.vision_tower.`` | ``model.encoder.embed_vision.`` |
+| mlx-vlm ``gemma4`` conversions | ``vision_tower.`` | ``embed_vision.`` |
+| transformers ``Gemma4VisionModel`` (a bare tower) | none | (no embedder) |
+
+Keys outside the detected prefixes (text, audio) belong to other graphs and are ignored here.
+Inside them: rotary buffers are dropped (recomputed), and so are clip bounds when the config has
+``use_clipped_linears`` off (transformers ignores them too; finite ones are logged as a warning,
+since they would have changed the output). Anything else unexpected, anything missing and any
+shape mismatch raises ``ValueError`` naming the key and both shapes. Quantized vision weights
+(mlx-vlm ``.scales``/``.biases``) are refused by name: the tower loads float weights only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Mapping, Sequence
+
+import mlx.core as mx
+
+from models.gemma4_vision_config import Gemma4VisionConfig
+from weights.gemma4_keys import parameter_shapes
+
+logger = logging.getLogger(__name__)
+
+TOWER_PREFIXES = ("model.vision_tower.", "model.encoder.vision_tower.", "vision_tower.", "")
+EMBEDDER_PREFIXES = ("model.embed_vision.", "model.encoder.embed_vision.", "embed_vision.")
+# The one key every tower / embedder has; it tells which prefix a checkpoint uses.
+_TOWER_MARKER = "patch_embedder.input_proj.weight"
+_EMBEDDER_MARKER = "embedding_projection.weight"
+_CLIP_BOUNDS = (".input_min", ".input_max", ".output_min", ".output_max")
+_QUANTIZED = (".scales", ".biases")
+
+
+def map_gemma4_vision_weights(
+    weights: Mapping[str, mx.array],
+    config: Gemma4VisionConfig,
+    tower_expected: Mapping[str, Sequence[int]],
+    embedder_expected: Mapping[str, Sequence[int]] | None = None,
+) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
+    """``(tower weights, embedder weights)`` under our parameter names, shape-checked.
+
+    ``*_expected`` are ``{parameter name: shape}`` of the receiving modules (``parameter_shapes``).
+    Without ``embedder_expected`` only the tower is mapped (a bare ``Gemma4VisionModel``
+    checkpoint has no embedder) and the embedder dict is empty.
+    """
+    tower_prefix = _detect_prefix(weights, TOWER_PREFIXES, _TOWER_MARKER, "vision tower")
+    tower = _map_part(weights, tower_prefix, tower_expected, config, "vision tower")
+    embedder: dict[str, mx.array] = {}
+    if embedder_expected is not None:
+        embedder_prefix = _detect_prefix(weights, EMBEDDER_PREFIXES, _EMBEDDER_MARKER, "vision embedder")
+        embedder = _map_part(weights, embedder_prefix, embedder_expected, config, "vision embedder")
+    return tower, embedder
+
+
+def load_gemma4_vision_weights(tower, embedder, weights: Mapping[str, mx.array]) -> None:
+    """Map ``weights`` onto a ``Gemma4VisionTower`` and (unless None) a ``Gemma4MultimodalEmbedder``, strictly."""
+    embedder_expected = None if embedder is None else parameter_shapes(embedder)
+    tower_weights, embedder_weights = map_gemma4_vision_weights(
+        weights, tower.config, parameter_shapes(tower), embedder_expected
+    )
+    tower.load_weights(list(tower_weights.items()), strict=True)
+    if embedder is not None:
+        embedder.load_weights(list(embedder_weights.items()), strict=True)
+
+
+def _detect_prefix(weights: Mapping[str, mx.array], prefixes: Sequence[str], marker: str, part: str) -> str:
+    for prefix in prefixes:
+        if prefix + marker in weights:
+            return prefix
+    sample = sorted(weights)[:5]
+    looked_for = [prefix + marker for prefix in prefixes]
+    raise ValueError(f"gemma4 vision keys: no {part} weights in the checkpoint (looked for {looked_for}); first keys: {sample}")
+
+
+def _map_part(
+    weights: Mapping[str, mx.array],
+    prefix: str,
+    expected: Mapping[str, Sequence[int]],
+    config: Gemma4VisionConfig,
+    part: str,
+) -> dict[str, mx.array]:
+    mapped: dict[str, mx.array] = {}
+    for key, value in weights.items():
+        if not key.startswith(prefix):
+            continue
+        name = key[len(prefix) :]
+        if _dropped(key, name, value, config):
+            continue
+        if name.endswith(_QUANTIZED):
+            raise ValueError(f"gemma4 vision keys: {key!r} is a quantized weight; the {part} loads float weights only")
+        if name not in expected:
+            raise ValueError(f"gemma4 vision keys: unexpected key {key!r} (no parameter {name!r} in the {part})")
+        want = tuple(expected[name])
+        if tuple(value.shape) != want:
+            raise ValueError(
+                f"gemma4 vision keys: {key!r} has shape {list(value.shape)} in the checkpoint, "
+                f"the {part} expects {list(want)}"
+            )
+        mapped[name] = value
+    missing = sorted(set(expected) - set(mapped))
+    if missing:
+        shown = ", ".join(repr(prefix + name) for name in missing[:20])
+        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        raise ValueError(f"gemma4 vision keys: the checkpoint lacks {len(missing)} {part} parameters: {shown}{more}")
+    return mapped
+
+
+def _dropped(key: str, name: str, value: mx.array, config: Gemma4VisionConfig) -> bool:
+    """True for keys that carry nothing the graph uses (each logged)."""
+    if name.startswith("rotary_emb.") or ".rotary_emb." in name:
+        logger.debug("gemma4 vision keys: dropping %s (rotary buffer, recomputed)", key)
+        return True
+    if name.endswith(_CLIP_BOUNDS) and not config.use_clipped_linears:
+        if bool(mx.isfinite(value).any()):
+            logger.warning("gemma4 vision keys: ignoring finite clip bound %s, as use_clipped_linears is off", key)
+        else:
+            logger.debug("gemma4 vision keys: dropping %s (infinite clip bound, use_clipped_linears is off)", key)
+        return True
+    return False
