@@ -90,6 +90,17 @@ class AttentionCache:
         self._ends_in_image = [bool(b) for b in np.array(blocks[:, -1] >= 0)]
         return out
 
+    def bidirectional(self, q: mx.array, k: mx.array, v: mx.array, *, scale: float) -> mx.array:
+        """A whole sequence at once, appended, into an empty cache: every position sees every other;
+        on sliding layers only those with ``|q - k| <= window``. For Gemma 4 configs with
+        ``use_bidirectional_attention="all"`` (encoders), which have no incremental use."""
+        check_qkv("bidirectional", q, k, v)
+        if self.offset:
+            raise ValueError(f"bidirectional: needs an empty cache, this one holds {self.offset} positions")
+        return self._write_and_attend(
+            "bidirectional", q, k, v, scale, lambda qs, L, ks, T: masks.bidirectional(qs, L, ks, T, self.sliding_window)
+        )
+
     def canvas(self, q: mx.array, k: mx.array, v: mx.array, *, scale: float) -> mx.array:
         """DiffusionGemma's decoder read; writes nothing. Bidirectional over the stored history
         (sliding: the newest ``min(stored, window - 1)`` positions; full: all) followed by the block."""
@@ -299,6 +310,9 @@ class SharedView:
 
     def canvas(self, q, k=None, v=None, *, scale):
         return self._replay("canvas", q, k, v, scale)
+
+    def bidirectional(self, q, k=None, v=None, *, scale):
+        return self._replay("bidirectional", q, k, v, scale)
 
     def can_trim(self, n: int) -> bool:
         return False

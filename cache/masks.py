@@ -71,3 +71,14 @@ def encoder(q_start: int, L: int, k_start: int, T: int, blocks: mx.array, window
     if window is not None:
         visible = visible & (kpos > qpos - window)
     return visible | _same_block(blocks, T)
+
+
+def bidirectional(q_start: int, L: int, k_start: int, T: int, window: int | None):
+    """Gemma 4 ``use_bidirectional_attention="all"``: every key on full layers, ``|q - k| <= window``
+    on sliding layers (the config has already halved the window)."""
+    if window is None:
+        return None
+    qpos, kpos = _positions(q_start, L, k_start, T)
+    if max(q_start + L - 1 - k_start, k_start + T - 1 - q_start) <= window:
+        return None
+    return mx.abs(kpos - qpos) <= window

@@ -152,39 +152,28 @@ class Gemma4TextModel(nn.Module):
         return caches
 
     # ------------------------------------------------------------------------------ forward
-    def __call__(self, input_ids: mx.array, cache: list | None = None) -> mx.array:
-        """Logits for every position of ``input_ids``.
+    def __call__(self, input_ids: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
+        """Logits for every position of ``input_ids`` (only the last one with ``last_only``, which
+        spares the vocabulary-wide head product over a whole prefill chunk).
 
         Without ``cache`` this is the no-cache forward (fresh caches for this call only). With one,
         the ids are appended: a ``window`` read for L > 1, a ``decode`` read for L == 1.
         """
         if self.config.use_bidirectional_attention == "all":
-            return self._bidirectional_forward(input_ids, cache)
+            if cache is not None and cache[0].offset:
+                raise ValueError("Gemma 4 use_bidirectional_attention='all' encodes a whole sequence at once; "
+                                 "it has no incremental (cached) generation")
+            return self.forward(input_ids, cache or self.make_cache(), "bidirectional", last_only=last_only)
         if cache is None:
-            return self.forward(input_ids, self.make_cache(), "window")
-        return self.forward(input_ids, cache, "decode" if input_ids.shape[1] == 1 else "window")
+            return self.forward(input_ids, self.make_cache(), "window", last_only=last_only)
+        read = "decode" if input_ids.shape[1] == 1 else "window"
+        return self.forward(input_ids, cache, read, last_only=last_only)
 
-    def _bidirectional_forward(self, input_ids: mx.array, cache) -> mx.array:
-        """``use_bidirectional_attention="all"``: every query sees every key, limited on sliding layers
-        to ``|q - k| <= sliding_window`` (the config's already halved window).
-
-        The cache has no read for that symmetric window yet, so only the no-cache forward over a
-        sequence short enough for the window not to bind is supported: there the encoder read with
-        the whole sequence as one block is exactly all-visible.
-        """
-        L = input_ids.shape[1]
-        if cache is not None:
-            raise NotImplementedError("Gemma 4 use_bidirectional_attention='all' has no cached generation")
-        if L - 1 > self.config.sliding_window:
-            raise NotImplementedError(
-                f"Gemma 4 use_bidirectional_attention='all': a sequence of {L} positions needs the symmetric "
-                f"sliding window |q - k| <= {self.config.sliding_window}, which no cache read provides yet"
-            )
-        one_block = mx.zeros(input_ids.shape, dtype=mx.int32)
-        return self.forward(input_ids, self.make_cache(), "encoder", {"blocks": one_block})
-
-    def forward(self, input_ids: mx.array, cache: list, read: str, read_args: dict | None = None) -> mx.array:
-        """Run every layer with the given read (``window``, ``decode``, ``vision_prefill``, ``encoder``) on its cache."""
+    def forward(
+        self, input_ids: mx.array, cache: list, read: str, read_args: dict | None = None, last_only: bool = False
+    ) -> mx.array:
+        """Run every layer with the given read (``window``, ``decode``, ``vision_prefill``, ``encoder``,
+        ``bidirectional``) on its cache."""
         if len(cache) != len(self.layers):
             raise ValueError(f"Gemma4TextModel: cache has {len(cache)} entries for {len(self.layers)} layers")
         offset = cache[0].offset  # layer 0 always owns storage; read before any layer writes
@@ -193,6 +182,8 @@ class Gemma4TextModel(nn.Module):
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
             per_layer_input = None if per_layer_inputs is None else per_layer_inputs[:, :, i, :]
             h = layer(h, per_layer_input, layer_cache, offset, read, read_args or {})
+        if last_only:
+            h = h[:, -1:]
         return self.logits(self.norm(h))
 
     def embed(self, input_ids: mx.array) -> mx.array:

@@ -36,6 +36,8 @@ class DenseReference:
             return causal if W is None else (causal | same) & in_window
         if read == "encoder":
             return (causal & in_window) | same
+        if read == "bidirectional":
+            return np.ones_like(causal) if W is None else np.abs(kpos - qpos) <= W
         raise AssertionError(read)
 
     def _unique_images(self, blocks: np.ndarray) -> np.ndarray:

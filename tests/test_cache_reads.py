@@ -266,3 +266,13 @@ def test_decode_builds_no_mask_in_steady_state():
         cache.decode(x, x, x, scale=1.0)
         assert cache._last.mask is None
         assert cache._last.keys.shape[2] == min(cache.offset, 4)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 6])
+@pytest.mark.parametrize("L", [1, 4, 7, 20])
+def test_bidirectional_read_on_an_empty_cache(window, L):
+    run = Driver(window, slack=2, step=4, B=3, Hkv=2, groups=2, Dv=12, scale=1.0, seed=L)
+    run.write_read("bidirectional", L)
+    q, k, v = run.qkv(1)
+    with pytest.raises(ValueError, match="needs an empty cache"):
+        run.cache.bidirectional(q, k, v, scale=1.0)

@@ -115,13 +115,20 @@ def test_bidirectional_all_short_sequence(tmp_path):
     assert worst_diff(hf_model, model, random_ids(2, 4, 256)) <= TOL
 
 
-def test_bidirectional_all_refuses_what_no_read_provides(tmp_path):
+def test_bidirectional_all_long_sequence(tmp_path):
+    """T4 over 20 positions: the symmetric window |q - k| <= 3 binds on the sliding layer."""
+    hf_model = hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS["T4"], tmp_path)
+    model = hf_tiny.load_graph(tmp_path)
+    assert worst_diff(hf_model, model, random_ids(2, 20, 256)) <= TOL
+
+
+def test_bidirectional_all_has_no_incremental_generation(tmp_path):
     hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS["T4"], tmp_path)
     model = hf_tiny.load_graph(tmp_path)
-    with pytest.raises(NotImplementedError, match="symmetric sliding window"):
-        model(mx.array(random_ids(1, 5, 256)))
-    with pytest.raises(NotImplementedError, match="cached generation"):
-        model(mx.array(random_ids(1, 2, 256)), cache=model.make_cache())
+    cache = model.make_cache()
+    model(mx.array(random_ids(1, 5, 256)), cache=cache)
+    with pytest.raises(ValueError, match="no incremental"):
+        model(mx.array(random_ids(1, 1, 256)), cache=cache)
 
 
 def test_embedding_scales_round_in_weight_dtype(tmp_path):
