@@ -50,6 +50,7 @@ _DEFAULTS: dict[str, Any] = dict(
     num_experts=None,
     top_k_experts=None,
     moe_intermediate_size=None,
+    max_position_embeddings=131_072,
 )
 _GLOBAL_HEAD_DIM_DEFAULT = 512
 
@@ -106,6 +107,7 @@ class Gemma4TextConfig:
     num_experts: int | None
     top_k_experts: int | None
     moe_intermediate_size: int | None
+    max_position_embeddings: int = 131_072  # the context a prompt may fill; not used by the maths
 
     # ------------------------------------------------------------------------------ parsing
     @classmethod

@@ -1,0 +1,95 @@
+"""``models.load`` end to end on tiny checkpoints written by transformers: the calls users make."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import models  # noqa: E402
+from models.generate import SamplingOptions, generate_tokens  # noqa: E402
+from tests import hf_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("t2")
+    hf_model = hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS["T2"], folder, max_shard_size="100KB")
+    return folder, hf_model
+
+
+def test_load_logits_with_and_without_cache(checkpoint):
+    folder, hf_model = checkpoint
+    model = models.load(str(folder), tokenizer=False)
+    ids = np.random.default_rng(0).integers(3, 256, (1, 19)).tolist()
+    with torch.no_grad():
+        want = hf_model(torch.tensor(ids)).logits.numpy()
+    full = np.array(model.logits(ids))
+    assert np.abs(full - want).max() < 1e-4
+    cache = model.make_cache()
+    pieces = [model.logits(ids[0][:9], cache), model.logits(ids[0][9:10], cache), model.logits(ids[0][10:], cache)]
+    cached = np.concatenate([np.array(p) for p in pieces], axis=1)
+    assert np.abs(cached - full).max() < 1e-4
+
+
+def test_greedy_generation_equals_reference_argmax(checkpoint):
+    folder, hf_model = checkpoint
+    model = models.load(str(folder), tokenizer=False)
+    prompt = [2, 17, 99, 4, 56, 200, 31]
+    ours = list(generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=20, prefill_step_size=3))
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None)
+    assert ours == ref[0, len(prompt):].tolist()
+
+
+def test_dtype_option_casts_weights(checkpoint):
+    folder, _ = checkpoint
+    model = models.load(str(folder), dtype="bfloat16", tokenizer=False)
+    assert model.graph.embed_tokens.weight.dtype == mx.bfloat16
+    assert model.logits([2, 3, 4]).shape == (1, 3, 256)
+
+
+def test_prompt_past_the_context_is_refused(checkpoint):
+    folder, _ = checkpoint
+    model = models.load(str(folder), tokenizer=False)
+    cache = model.make_cache()
+    model.logits(list(range(3, 503)), cache)
+    with pytest.raises(ValueError, match="500 cached \\+ 20 new positions > max_position_embeddings 512"):
+        model.logits(list(range(3, 23)), cache)
+    assert cache[0].offset == 500
+
+
+def test_unsupported_model_type_names_it(checkpoint, tmp_path):
+    folder, _ = checkpoint
+    for item in folder.iterdir():
+        (tmp_path / item.name).write_bytes(item.read_bytes())
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["model_type"] = "llama"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
+        models.load(str(tmp_path), tokenizer=False)
+
+
+def test_missing_shard_names_the_file(checkpoint, tmp_path):
+    folder, _ = checkpoint
+    for item in folder.iterdir():
+        (tmp_path / item.name).write_bytes(item.read_bytes())
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=shard.name):
+        models.load(str(tmp_path), tokenizer=False)
+
+
+def test_unreachable_hub_id_says_how_to_use_a_folder(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(models.ModelNotAvailableError, match="google/gemma-4-E2B-it"):
+        models.load("google/gemma-4-E2B-it")
+
+
+def test_sampling_options_are_checked():
+    with pytest.raises(ValueError, match="top_p=1.5"):
+        SamplingOptions(temp=1.0, top_p=1.5).sampler()
