@@ -168,3 +168,18 @@ def test_sampling_with_seed_is_reproducible(model):
     options["sampling"] = SamplingOptions(temp=1.0, top_p=0.9, top_k=50, min_p=0.01, seed=7)
     assert model.generate("Once upon a time", **options) == a
     assert np.isfinite(np.array(model.logits([2, 10, 20]))).all()
+
+
+def test_streaming_never_splits_a_multibyte_character(model):
+    text = "Grüße, 世界! 🎉🦙 naïve café — ok"
+    ids = model.tokenizer.encode(text, add_special_tokens=False)
+    detokenizer = model.tokenizer.detokenizer
+    detokenizer.reset()
+    pieces = []
+    for token in ids:
+        detokenizer.add_token(token)
+        pieces.append(detokenizer.last_segment)
+    detokenizer.finalize()
+    pieces.append(detokenizer.last_segment)
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == text
