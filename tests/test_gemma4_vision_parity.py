@@ -213,6 +213,43 @@ def test_t5_real_photos_and_a_large_grid(t5, photos):
             assert worst(got, want.numpy()) <= TOL, f"{name} @ {budget}"
 
 
+# DiffusionGemma T7 (reference digest §6): the same tower under model.encoder.vision_tower.
+T7_TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=32, global_head_dim=64, num_global_key_value_heads=1, sliding_window=4,
+               layer_types=["sliding_attention"] * 3 + ["full_attention"], num_experts=4, top_k_experts=2,
+               moe_intermediate_size=32, use_bidirectional_attention="vision", pad_token_id=0, bos_token_id=2,
+               eos_token_id=1, initializer_range=0.15)  # fmt: skip
+T7_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                 head_dim=16, patch_size=16, pooling_kernel_size=3, position_embedding_size=64)  # fmt: skip
+
+
+def test_diffusion_gemma_vision_encoder(tmp_path):
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    torch.manual_seed(0)
+    config = DiffusionGemmaConfig(text_config=T7_TEXT, vision_config=T7_VISION, canvas_length=8, boi_token_id=250,
+                                  eoi_token_id=252, image_token_id=251)  # fmt: skip
+    reference = DiffusionGemmaForBlockDiffusion(config).eval()
+    encoder = reference.model.encoder
+    randomize(encoder.vision_tower, seed=5)
+    randomize(encoder.embed_vision, seed=6)
+    reference.save_pretrained(tmp_path)
+
+    raw = read_config(tmp_path)
+    vision_config = Gemma4VisionConfig.from_dict(raw)
+    tower = Gemma4VisionTower(vision_config)
+    embedder = Gemma4MultimodalEmbedder(vision_config.hidden_size, raw["text_config"]["hidden_size"], vision_config.rms_norm_eps)
+    load_gemma4_vision_weights(tower, embedder, read_safetensors(tmp_path))
+
+    images = synthetic_images()
+    expected = hf_features(encoder.vision_tower, images, 70)
+    processed = Gemma4ImageProcessor(70)(images)
+    for got, want in zip(encode_images(tower, embedder, [(p.patches, p.position_ids) for p in processed]), expected):
+        with torch.no_grad():
+            want = encoder.embed_vision(torch.from_numpy(want)).numpy()
+        assert worst(got, want) <= TOL
+
+
 def test_clip_bounds_and_standardization_are_exercised(tmp_path):
     """The T6 parity above would not notice a tower that ignored its clip bounds or std buffers
     unless they change the output; they do, by far more than the tolerance."""
