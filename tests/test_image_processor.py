@@ -136,6 +136,31 @@ def test_photo_set_covers_modes_and_shapes(photos):
     assert set(photos) == set(PHOTOS)
 
 
+def test_cached_photos_need_no_download(photos, monkeypatch):
+    def no_pip(*args, **kwargs):
+        raise AssertionError("fetch_photos ran pip although every photo was cached")
+
+    monkeypatch.setattr("models.photos.subprocess.run", no_pip)
+    assert fetch_photos() == photos
+
+
+@pytest.mark.slow
+def test_assets_folder_override_and_damaged_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMA_ZOO_ASSETS", str(tmp_path))
+    try:
+        path = fetch_photos(["chelsea.png"])["chelsea.png"]
+    except AssetFetchError as exc:
+        pytest.skip(f"could not download the photo wheels: {exc}")
+    assert path == tmp_path / "photos" / "chelsea.png"
+    path.write_bytes(b"damaged")
+    assert fetch_photos(["chelsea.png"])["chelsea.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # fetched again
+
+
+def test_unknown_photo():
+    with pytest.raises(KeyError, match="unknown photo.*'nope.png'"):
+        fetch_photos(["nope.png"])
+
+
 # ---------------------------------------------------------------------------------------------
 # Synthetic images: odd sizes, modes, arrays
 
