@@ -262,7 +262,8 @@ class SharedView:
     layer of the same type, from the same forward, after that layer's write. The view replays the
     donor's last read (same keys, values and mask) with the shared layer's queries. It must be read
     after the donor's read of the same forward; a stale or mismatched read raises ``ValueError``.
-    It owns no storage: trims and persistence go to the donor.
+    Its queries may be only the newest of the donor's positions (a shared tail that needs only the
+    last outputs skips the rest). It owns no storage: trims and persistence go to the donor.
     """
 
     def __init__(self, donor: AttentionCache):
@@ -289,12 +290,17 @@ class SharedView:
         last = self.donor._last
         if last is None or last.offset != self.donor.offset:
             raise ValueError(f"{read}: the donor cache has no read in this forward to share")
-        if last.read != read or last.length != q.shape[2]:
+        if last.read != read or not 1 <= q.shape[2] <= last.length:
             raise ValueError(
                 f"{read}: the donor's last read was {last.read} of L={last.length}; "
                 f"this shared read is {read} of L={q.shape[2]}"
             )
-        return attend(q, last.keys, last.values, check_scale(read, scale), last.mask)
+        mask = last.mask
+        if q.shape[2] < last.length and isinstance(mask, mx.array):
+            # Queries for only the newest positions (a KV-shared tail that needs just the last
+            # outputs): their rows of the donor's mask. None and MLX's bottom-right "causal" hold as is.
+            mask = mask[..., -q.shape[2] :, :]
+        return attend(q, last.keys, last.values, check_scale(read, scale), mask)
 
     def decode(self, q, k=None, v=None, *, scale):
         return self._replay("decode", q, k, v, scale)

@@ -180,6 +180,12 @@ class Gemma4TextModel(nn.Module):
         h = self.embed(input_ids)
         per_layer_inputs = self.per_layer_inputs(input_ids, h) if "embed_tokens_per_layer" in self else None
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+            if last_only and i == self.config.first_kv_shared_layer and h.shape[1] > 1:
+                # From here on no layer writes a cache, so only the last position has to go on
+                # (the reference's KV-shared prefill shortcut): E2B skips 20 of its 35 layers.
+                offset += h.shape[1] - 1
+                h = h[:, -1:]
+                per_layer_inputs = None if per_layer_inputs is None else per_layer_inputs[:, -1:]
             per_layer_input = None if per_layer_inputs is None else per_layer_inputs[:, :, i, :]
             h = layer(h, per_layer_input, layer_cache, offset, read, read_args or {})
         if last_only:

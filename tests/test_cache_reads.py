@@ -71,6 +71,10 @@ class Driver:
         view = self.cache.shared_view()
         shared = getattr(view, read)(q2, scale=self.scale)
         self.compare(shared, self.ref.attend_new(read, q2, self.scale), f"shared {read} L={L}")
+        newest = int(self.rng.integers(1, L + 1))
+        shared_tail = getattr(view, read)(q2[:, :, L - newest :], scale=self.scale)
+        want = self.ref.attend_new(read, q2, self.scale)[:, :, L - newest :]
+        self.compare(shared_tail, want, f"shared {read} newest {newest} of L={L}")
         self.check_invariants(after_write=L)
 
     def canvas(self, L):

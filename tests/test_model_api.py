@@ -93,3 +93,17 @@ def test_unreachable_hub_id_says_how_to_use_a_folder(monkeypatch):
 def test_sampling_options_are_checked():
     with pytest.raises(ValueError, match="top_p=1.5"):
         SamplingOptions(temp=1.0, top_p=1.5).sampler()
+
+
+def test_last_only_skips_the_shared_tail_exactly(checkpoint):
+    """With only the last logits wanted, KV-shared layers run on the last position alone."""
+    folder, _ = checkpoint
+    model = models.load(str(folder), tokenizer=False)
+    assert model.config.num_kv_shared_layers == 2
+    ids = np.random.default_rng(1).integers(3, 256, 23).tolist()
+    full = np.array(model.logits(ids))[0]
+    cache = model.make_cache()
+    for start, stop in ((0, 6), (6, 7), (7, 23)):
+        last = model.forward(mx.array([ids[start:stop]]), cache, last_only=True)
+        assert last.shape == (1, 1, 256)
+        assert np.abs(np.array(last)[0, 0] - full[stop - 1]).max() < 1e-4
