@@ -1,0 +1,107 @@
+"""Checkpoint key mapping for DiffusionGemma (``graphs.diffusion_gemma.DiffusionGemmaModel``).
+
+The text weights are stored once, under the decoder; the encoder contributes only its own
+``layer_scalar`` buffers and the vision parts. Accepted layouts (told apart by the expert keys):
+
+| part | transformers ``DiffusionGemmaForBlockDiffusion`` | mlx-vlm ``diffusion_gemma`` conversion |
+|---|---|---|
+| shared text stack | ``model.decoder.{embed_tokens,norm,layers.*,self_conditioning.*}`` | same |
+| experts | ``experts.gate_up_proj [E, 2*Im, H]``, ``experts.down_proj [E, H, Im]`` | same arrays with a ``.weight`` suffix |
+| encoder scalars | ``model.encoder.language_model.layers.{l}.layer_scalar`` | same |
+| vision | ``model.encoder.vision_tower.*``, ``model.encoder.embed_vision.*`` | same |
+
+Dropped (logged at debug level): ``lm_head.weight`` and any other ``model.encoder.language_model.*``
+entry (both tied to the decoder's weights), rotary buffers. Anything else unexpected, anything
+missing and any shape mismatch raises ``ValueError`` naming the key; quantized weights
+(``.scales`` / ``.biases``) are refused by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Mapping
+
+import mlx.core as mx
+
+from weights.gemma4_keys import parameter_shapes
+from weights.gemma4_vision_keys import map_gemma4_vision_weights
+
+logger = logging.getLogger(__name__)
+
+DECODER_PREFIX = "model.decoder."
+ENCODER_TEXT_PREFIX = "model.encoder.language_model."
+VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
+_ENCODER_SCALAR = re.compile(r"layers\.(\d+)\.layer_scalar")
+_QUANTIZED = (".scales", ".biases")
+
+
+def map_diffusion_gemma_weights(weights: Mapping[str, mx.array], model) -> dict[str, mx.array]:
+    """``{graph parameter name: array}`` for ``model`` from a checkpoint's ``{key: array}``, shape-checked."""
+    expected = parameter_shapes(model)
+    mapped: dict[str, mx.array] = {}
+    for key, value in weights.items():
+        if key.endswith(_QUANTIZED):
+            raise ValueError(f"diffusion_gemma keys: {key!r} is a quantized weight; quantized checkpoints are not supported yet")
+        for name, array in _text_entries(key, value):
+            if name not in expected:
+                raise ValueError(f"diffusion_gemma keys: unexpected key {key!r} (no parameter {name!r} in the graph)")
+            if tuple(array.shape) != tuple(expected[name]):
+                raise ValueError(
+                    f"diffusion_gemma keys: {key!r} gives {name!r} the shape {list(array.shape)}, "
+                    f"the graph expects {list(expected[name])}"
+                )
+            if name in mapped:
+                raise ValueError(f"diffusion_gemma keys: {key!r} maps to {name!r}, which another key already provided")
+            mapped[name] = array
+    if "vision_tower" in model:
+        tower, embedder = map_gemma4_vision_weights(
+            weights, model.config.vision, parameter_shapes(model.vision_tower), parameter_shapes(model.embed_vision)
+        )
+        mapped.update({f"vision_tower.{k}": v for k, v in tower.items()})
+        mapped.update({f"embed_vision.{k}": v for k, v in embedder.items()})
+    elif any(key.startswith(VISION_PREFIXES) for key in weights):
+        logger.debug("diffusion_gemma keys: dropping the vision weights (the config has no vision_config)")
+    missing = sorted(set(expected) - set(mapped))
+    if missing:
+        shown = ", ".join(repr(name) for name in missing[:20])
+        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        raise ValueError(f"diffusion_gemma keys: the checkpoint lacks {len(missing)} parameters: {shown}{more}")
+    return mapped
+
+
+def load_diffusion_gemma_weights(model, weights: Mapping[str, mx.array]) -> None:
+    """Map ``weights`` onto ``model`` (a ``DiffusionGemmaModel``) and load them strictly."""
+    model.load_weights(list(map_diffusion_gemma_weights(weights, model).items()), strict=True)
+
+
+def _text_entries(key: str, value: mx.array) -> list[tuple[str, mx.array]]:
+    """The graph's (name, array) pairs for one key outside the vision parts; [] for dropped keys."""
+    if key.startswith(VISION_PREFIXES):
+        return []  # mapped by weights.gemma4_vision_keys
+    if "rotary_emb." in key or key == "lm_head.weight":
+        logger.debug("diffusion_gemma keys: dropping %s (%s)", key, "rotary buffer" if "rotary" in key else "tied")
+        return []
+    if key.startswith(ENCODER_TEXT_PREFIX):
+        name = key[len(ENCODER_TEXT_PREFIX) :]
+        scalar = _ENCODER_SCALAR.fullmatch(name)
+        if scalar:
+            return [(f"layers.{scalar.group(1)}.encoder_layer_scalar", value)]
+        logger.debug("diffusion_gemma keys: dropping %s (tied to the decoder's weights)", key)
+        return []
+    if not key.startswith(DECODER_PREFIX):
+        raise ValueError(
+            f"diffusion_gemma keys: unexpected key {key!r} (the weights are under {DECODER_PREFIX!r}, "
+            f"{ENCODER_TEXT_PREFIX!r} and {VISION_PREFIXES})"
+        )
+    name = key[len(DECODER_PREFIX) :].removesuffix(".weight") if ".experts." in key else key[len(DECODER_PREFIX) :]
+    if name.endswith(".experts.gate_up_proj"):
+        # [gate; up] along the output axis: rows [0, Im) gate, [Im, 2 Im) up.
+        if value.ndim != 3 or value.shape[1] % 2:
+            raise ValueError(f"diffusion_gemma keys: {key!r} must be [experts, 2 * moe_intermediate, hidden], got {list(value.shape)}")
+        base = name.removesuffix("gate_up_proj") + "switch_glu."
+        gate, up = mx.split(value, 2, axis=1)
+        return [(base + "gate_proj.weight", mx.contiguous(gate)), (base + "up_proj.weight", mx.contiguous(up))]
+    if name.endswith(".experts.down_proj"):
+        return [(name.removesuffix("down_proj") + "switch_glu.down_proj.weight", value)]
+    return [(name, value)]
