@@ -3,14 +3,16 @@
     python -m examples.chat                          # interactive, streamed, history kept in the cache
     python -m examples.chat --prompt "Hello"         # one shot (--prompt - reads stdin)
 
-In the chat, Ctrl-C stops the current answer (not the session); /reset clears the history; /quit
-(or Ctrl-D) leaves. Flags follow mlx-lm's spelling where they overlap.
+In the chat, Ctrl-C stops the current answer (not the session); /image PATH attaches an image to
+the next message (models with a vision tower; repeat it for several); /reset clears the history;
+/quit (or Ctrl-D) leaves. Flags follow mlx-lm's spelling where they overlap.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from contextlib import contextmanager
@@ -19,6 +21,7 @@ from pathlib import Path
 import models
 from models.chat import ChatSession
 from models.generate import DEFAULT_PREFILL_STEP, SamplingOptions
+from models.image_processor import DEFAULT_MAX_SOFT_TOKENS, SUPPORTED_SOFT_TOKEN_BUDGETS
 
 DEFAULT_MODEL = "google/gemma-4-E2B-it"
 
@@ -29,6 +32,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", "-p", help="answer this one prompt and exit ('-' reads it from stdin)")
     p.add_argument("--system-prompt", help="a system prompt for the conversation")
     p.add_argument("--thinking", action="store_true", help="switch on the model's thinking mode (Gemma 4)")
+    add_generation_args(p)
+    p.add_argument("--transcript", help="write the conversation (JSON messages) to this file after every answer")
+    return p.parse_args(argv)
+
+
+def add_generation_args(p: argparse.ArgumentParser) -> None:
+    """The flags every generating example shares: length, sampling, prefill, dtype, images, stats."""
     p.add_argument("--max-tokens", "-m", type=int, default=512)
     p.add_argument("--temp", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=0.0)
@@ -36,10 +46,31 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP)
+    p.add_argument("--max-soft-tokens", type=int, choices=SUPPORTED_SOFT_TOKEN_BUDGETS, default=DEFAULT_MAX_SOFT_TOKENS,
+                   help="soft tokens per image (more = finer detail, longer prompt)")  # fmt: skip
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights on load")
     p.add_argument("--verbose", action="store_true", help="print tokens/s and peak memory after each answer")
-    p.add_argument("--transcript", help="write the conversation (JSON messages) to this file after every answer")
-    return p.parse_args(argv)
+
+
+def session_from_args(model, args: argparse.Namespace) -> ChatSession:
+    return ChatSession(
+        model,
+        system_prompt=args.system_prompt,
+        enable_thinking=args.thinking,
+        sampling=SamplingOptions(args.temp, args.top_p, args.top_k, args.min_p, args.seed),
+        max_tokens=args.max_tokens,
+        prefill_step_size=args.prefill_step_size,
+        max_soft_tokens=args.max_soft_tokens,
+    )
+
+
+def load_model(args: argparse.Namespace):
+    """The model, or None after printing why it is not available."""
+    try:
+        return models.load(args.model, dtype=args.dtype)
+    except models.ModelNotAvailableError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return None
 
 
 @contextmanager
@@ -57,9 +88,9 @@ def ctrl_c_stops_answer():
         signal.signal(signal.SIGINT, previous)
 
 
-def answer(session: ChatSession, text: str, verbose: bool, transcript: str | None) -> None:
+def answer(session: ChatSession, text: str, verbose: bool, transcript: str | None, images=()) -> None:
     with ctrl_c_stops_answer() as should_stop:
-        for piece in session.send(text, should_stop=should_stop):
+        for piece in session.send(text, should_stop=should_stop, images=images):
             print(piece, end="", flush=True)
     print(flush=True)
     stats = session.last_stats
@@ -68,48 +99,65 @@ def answer(session: ChatSession, text: str, verbose: bool, transcript: str | Non
     if transcript:
         Path(transcript).write_text(json.dumps(session.messages, indent=2, ensure_ascii=False))
     if verbose and stats:
+        vision = f"vision: {len(images)} images, {session.last_vision_seconds:.2f} s | " if images else ""
         print(
-            f"[prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tokens/s | "
+            f"[{vision}prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tokens/s | "
             f"generation: {stats.generation_tokens} tokens, {stats.generation_tps:.1f} tokens/s | "
             f"peak memory {stats.peak_memory_gb:.2f} GB]",
             flush=True,
         )
 
 
+def attach_image(model, path: str, max_soft_tokens: int, pending: list) -> None:
+    """``/image PATH``: process the image now, so a bad file is reported at once, and hold it for the next message."""
+    if not path:
+        print("[usage: /image PATH]", flush=True)
+        return
+    try:
+        (image,) = model.process_images([path], max_soft_tokens)
+    except ValueError as err:
+        print(f"[error: {err}]", flush=True)
+        return
+    pending.append(image)
+    print(f"[image attached: {path}, {image.width}x{image.height} px, {image.num_soft_tokens} soft tokens]", flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    try:
-        model = models.load(args.model, dtype=args.dtype)
-    except models.ModelNotAvailableError as err:
-        print(f"error: {err}", file=sys.stderr)
+    model = load_model(args)
+    if model is None:
         return 2
-    session = ChatSession(
-        model,
-        system_prompt=args.system_prompt,
-        enable_thinking=args.thinking,
-        sampling=SamplingOptions(args.temp, args.top_p, args.top_k, args.min_p, args.seed),
-        max_tokens=args.max_tokens,
-        prefill_step_size=args.prefill_step_size,
-    )
+    session = session_from_args(model, args)
     if args.prompt is not None:
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         answer(session, prompt, args.verbose, args.transcript)
         return 0
-    print(f"Chatting with {args.model}. Ctrl-C stops an answer; /reset clears the history; /quit leaves.")
+    image_help = " /image PATH attaches an image;" if model.supports_images else ""
+    print(f"Chatting with {args.model}. Ctrl-C stops an answer;{image_help} /reset clears the history; /quit leaves.")
+    pending: list = []  # images for the next message
     while True:
         try:
             text = input(">> ")
         except (EOFError, KeyboardInterrupt):
             print()
             return 0
-        if text.strip() == "/quit":
+        command, _, rest = text.strip().partition(" ")
+        if command == "/quit":
             return 0
-        if text.strip() == "/reset":
+        if command == "/reset":
             session.reset()
+            pending.clear()
             print("[history cleared]")
             continue
+        if command == "/image":
+            if model.supports_images:
+                attach_image(model, os.path.expanduser(rest.strip().strip("'\"")), args.max_soft_tokens, pending)
+            else:
+                print(f"[{args.model} has no vision tower; it cannot read images]", flush=True)
+            continue
         if text.strip():
-            answer(session, text, args.verbose, args.transcript)
+            answer(session, text, args.verbose, args.transcript, images=list(pending))
+            pending.clear()
 
 
 if __name__ == "__main__":

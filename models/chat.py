@@ -6,13 +6,23 @@ fed. When the template renders history differently from what was generated (re-t
 dropped thinking), the cache is rolled back to the common prefix if every layer can trim that far,
 and rebuilt from a fresh prefill otherwise. Either way the next turn sees exactly what a fresh
 prefill of the whole conversation would give.
+
+Images: a user turn may carry images. The template writes one placeholder per image, which is
+expanded to the image's soft tokens (``models.image_prompt``); every image's features are kept
+for the whole conversation, so a rebuilt cache can be prefilled again without the vision tower.
+All soft tokens share one id, so two renderings are compared image by image as well as token by
+token, and the cache is never cut inside an image: its keys depend on the whole image.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+import time
+from typing import Iterator, Sequence
+
+import mlx.core as mx
 
 from .generate import DEFAULT_PREFILL_STEP, GenerationStats, SamplingOptions
+from .image_prompt import ImageSpan, Prompt, expand_image_placeholders
 from .model import Model, owning_caches, trim_cache
 
 
@@ -25,6 +35,23 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def image_safe_prefix(keep: int, held: Sequence[ImageSpan], wanted: Sequence[ImageSpan]) -> int:
+    """The longest prefix, at most ``keep`` positions, whose images are the same in the cache
+    (``held``) and in the new rendering (``wanted``), and that does not end inside an image.
+
+    Positions before ``keep`` already agree token by token; an image there must also be the same
+    image (its features are compared by identity: the session keeps one array per image).
+    """
+    for index, old in enumerate(held):
+        if old.start >= keep:
+            break
+        new = wanted[index] if index < len(wanted) else None
+        same = new is not None and (new.start, new.end) == (old.start, old.end) and new.features is old.features
+        if not same or keep < old.end:
+            return old.start
+    return keep
+
+
 class ChatSession:
     def __init__(
         self,
@@ -35,22 +62,28 @@ class ChatSession:
         sampling: SamplingOptions | None = None,
         max_tokens: int = 512,
         prefill_step_size: int = DEFAULT_PREFILL_STEP,
+        max_soft_tokens: int | None = None,
     ):
         self.model = model
         self.enable_thinking = enable_thinking
         self.sampling = sampling
         self.max_tokens = max_tokens
         self.prefill_step_size = prefill_step_size
+        self.max_soft_tokens = max_soft_tokens
         self.messages: list[dict] = []
         if system_prompt:
             self.messages.append({"role": "system", "content": system_prompt})
+        self.image_features: list[mx.array] = []  # every image of the conversation, in order
         self.cache = model.make_cache()
         self.fed: list[int] = []  # the tokens the cache holds, oldest first
+        self.fed_images: tuple[ImageSpan, ...] = ()  # the images among them
         self.last_stats: GenerationStats | None = None
+        self.last_vision_seconds = 0.0  # time the last turn spent in the vision tower
         self.rebuilt_turns = 0  # how many turns needed a fresh prefill (diagnostics)
 
     def render(self, messages: list[dict] | None = None) -> list[int]:
-        """The token ids of the conversation, ending with the model's turn opening."""
+        """The token ids of the conversation, ending with the model's turn opening; images are
+        one placeholder token each."""
         tokenizer = self.model.tokenizer
         text = tokenizer.apply_chat_template(
             self.messages if messages is None else messages,
@@ -60,27 +93,46 @@ class ChatSession:
         )
         return list(tokenizer.encode(text, add_special_tokens=False))
 
-    def _reuse_cache(self, ids: list[int]) -> list[int]:
-        """Align the cache with ``ids``; returns the ids still to be fed (never empty)."""
+    def render_prompt(self, messages: list[dict] | None = None, image_features: Sequence[mx.array] | None = None) -> Prompt:
+        """``render`` with every image expanded to its soft tokens and its features attached."""
+        ids = self.render(messages)
+        features = self.image_features if image_features is None else image_features
+        if not features:
+            return Prompt(ids)
+        return expand_image_placeholders(ids, features, self.model.config.image_tokens)
+
+    def _reuse_cache(self, ids: list[int], images: Sequence[ImageSpan] = ()) -> list[int]:
+        """Align the cache with ``ids`` (and its ``images``); returns the ids still to be fed (never empty)."""
         keep = min(common_prefix(self.fed, ids), len(ids) - 1)
+        keep = image_safe_prefix(keep, self.fed_images, images)
         drop = len(self.fed) - keep
         if drop and not trim_cache(self.cache, drop):
             self.cache = self.model.make_cache()
             self.rebuilt_turns += 1
             keep = 0
         self.fed = self.fed[:keep]
+        self.fed_images = tuple(span for span in self.fed_images if span.end <= keep)
         return ids[keep:]
 
-    def send(self, text: str, should_stop=lambda: False) -> Iterator[str]:
-        """Add a user turn and stream the model's answer; the answer joins the history at the end."""
-        self.messages.append({"role": "user", "content": text})
-        ids = self.render()
-        new = self._reuse_cache(ids)
+    def send(self, text: str, should_stop=lambda: False, images: Sequence = ()) -> Iterator[str]:
+        """Add a user turn (``images`` first, then ``text``) and stream the model's answer; the answer
+        joins the history at the end. Images are paths, PIL images, uint8 arrays or ``ProcessedImage`` s."""
+        start = time.perf_counter()
+        new_features = self.model.encode_images(list(images), self.max_soft_tokens) if images else []
+        self.last_vision_seconds = time.perf_counter() - start
+        content = text
+        if images:
+            content = [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
+        messages = self.messages + [{"role": "user", "content": content}]
+        features = self.image_features + new_features
+        prompt = self.render_prompt(messages, features)
+        self.messages, self.image_features = messages, features
+        new = self._reuse_cache(prompt.ids, prompt.images)
         answer: list[str] = []
         generated: list[int] = []
         try:
             for chunk in self.model.stream(
-                new,
+                prompt.suffix(len(prompt.ids) - len(new)),
                 cache=self.cache,
                 max_tokens=self.max_tokens,
                 sampling=self.sampling,
@@ -94,14 +146,17 @@ class ChatSession:
                     answer.append(chunk.text)
                     yield chunk.text
         finally:
-            self.fed = ids + generated
+            self.fed = prompt.ids + generated
+            self.fed_images = prompt.images
             self.messages.append({"role": "assistant", "content": "".join(answer)})
             if any(c.offset != len(self.fed) for c in owning_caches(self.cache)):
                 # Stopped inside a forward (an exception, not a clean stop): start the next turn afresh.
-                self.cache, self.fed = self.model.make_cache(), []
+                self.cache, self.fed, self.fed_images = self.model.make_cache(), [], ()
 
     def reset(self) -> None:
         system = [m for m in self.messages if m["role"] == "system"]
         self.messages = system
+        self.image_features = []
         self.cache = self.model.make_cache()
         self.fed = []
+        self.fed_images = ()

@@ -1,5 +1,9 @@
 """The autoregressive loop: chunked prefill through ``window`` reads, decode through ``decode`` reads.
 
+A prompt with images is prefilled in chunks that never cut through an image
+(``models.image_prompt.prefill_chunks``); a chunk holding images passes their features to the
+model, which reads it through ``vision_prefill``.
+
 Sampling (temperature, top-p, top-k, min-p) is mlx-lm's ``make_sampler`` and streaming
 detokenization is mlx-lm's detokenizer; what is ours is the loop over our caches, the stop rule and
 the bookkeeping that lets a chat keep its cache across turns (every yielded token has been fed to
@@ -14,6 +18,8 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
+
+from .image_prompt import ImageSpan, prefill_chunks
 
 DEFAULT_PREFILL_STEP = 512
 
@@ -61,16 +67,22 @@ class GenerationStats:
         return self.generation_tokens / self.generation_seconds if self.generation_seconds else 0.0
 
 
-def prefill(forward, ids: Sequence[int], cache, step: int = DEFAULT_PREFILL_STEP) -> mx.array:
-    """Feed ``ids`` to the cache in chunks of ``step``; returns the logits of the last position [V]."""
+def prefill(
+    forward, ids: Sequence[int], cache, step: int = DEFAULT_PREFILL_STEP, images: Sequence[ImageSpan] = ()
+) -> mx.array:
+    """Feed ``ids`` to the cache in chunks of about ``step``; returns the logits of the last position [V].
+
+    ``images`` are the image spans inside ``ids``; each goes whole into one chunk, and that chunk's
+    ``forward`` call gets ``image_features`` (the rows of its images, in order).
+    """
     if not ids:
         raise ValueError("prefill: the prompt is empty")
-    if step < 1:
-        raise ValueError(f"prefill_step_size must be >= 1, got {step}")
     logits = None
-    for start in range(0, len(ids), step):
-        chunk = mx.array([list(ids[start : start + step])])
-        logits = forward(chunk, cache, last_only=True)
+    for start, end in prefill_chunks(len(ids), images, step):
+        chunk = mx.array([list(ids[start:end])])
+        inside = [span.features for span in images if start <= span.start < end]
+        extra = {"image_features": mx.concatenate(inside)} if inside else {}
+        logits = forward(chunk, cache, last_only=True, **extra)
         mx.eval(logits)
         mx.clear_cache()
     return logits[0, -1]
@@ -87,12 +99,14 @@ def generate_tokens(
     prefill_step_size: int = DEFAULT_PREFILL_STEP,
     should_stop: Callable[[], bool] = lambda: False,
     stats: GenerationStats | None = None,
+    images: Sequence[ImageSpan] = (),
 ) -> Iterator[int]:
     """Yield generated token ids; each yielded id has already been fed to ``cache``.
 
     ``forward(ids [1, L], cache, last_only)`` returns logits; the next step is queued before a
     token is yielded (``mx.async_eval``) so the host's work overlaps the device's. A stop id ends
     the stream unyielded and unfed, so a chat's cache holds exactly the prompt and the answer.
+    ``images`` are the image spans of ``prompt_ids`` (see ``prefill``).
     """
     sampler = (sampling or SamplingOptions()).sampler()
     stop_ids = set(stop_ids)
@@ -103,7 +117,7 @@ def generate_tokens(
         return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
     start = time.perf_counter()
-    y = sample(prefill(forward, prompt_ids, cache, prefill_step_size)[None])
+    y = sample(prefill(forward, prompt_ids, cache, prefill_step_size, images)[None])
     mx.eval(y)
     stats.prompt_tokens = len(prompt_ids)
     stats.prompt_seconds = time.perf_counter() - start

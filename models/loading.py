@@ -31,10 +31,10 @@ def load(name_or_path: str, dtype=None, tokenizer: bool = True) -> Model:
     """
     folder = resolve_model_path(str(name_or_path))
     config_dict = read_config(folder)
-    architecture = architecture_for(config_dict.get("model_type"), str(folder / "config.json"))
+    weights, _ = load_safetensors(folder, dtype=dtype)
+    architecture = architecture_for(config_dict, str(folder / "config.json"), weights.keys())
     config = architecture.parse_config(config_dict)
     graph = architecture.build_graph(config)
-    weights, _ = load_safetensors(folder, dtype=dtype)
     architecture.load_weights(graph, weights)
     graph.eval()
     generation_config = read_generation_config(folder)

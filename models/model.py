@@ -11,6 +11,8 @@ import mlx.core as mx
 from cache import SharedView
 
 from .generate import DEFAULT_PREFILL_STEP, GenerationStats, SamplingOptions, generate_tokens
+from .image_processor import DEFAULT_MAX_SOFT_TOKENS, Gemma4ImageProcessor, ImageInput, ProcessedImage
+from .image_prompt import Prompt, expand_image_placeholders
 
 
 @dataclass
@@ -32,27 +34,87 @@ class Model:
         self.generation_config = generation_config
         self.path = Path(path)
         self.model_type = model_type
+        self.max_soft_tokens = DEFAULT_MAX_SOFT_TOKENS  # the per-image budget when a call gives none
 
     # ------------------------------------------------------------------------------ forward
     def make_cache(self) -> list:
         """One cache per layer (views for KV-shared layers), empty."""
         return self.graph.make_cache()
 
-    def forward(self, input_ids: mx.array, cache, last_only: bool = False) -> mx.array:
+    def forward(self, input_ids: mx.array, cache, last_only: bool = False, image_features: mx.array | None = None) -> mx.array:
+        """Logits of ``input_ids`` appended to ``cache``; ``image_features`` holds the rows of every
+        image token in ``input_ids`` (whole images only), in order."""
         self._check_context(cache, input_ids.shape[-1])
-        return self.graph(input_ids, cache=cache, last_only=last_only)
+        if image_features is None:
+            return self.graph(input_ids, cache=cache, last_only=last_only)
+        self._check_vision()
+        return self.graph(input_ids, cache=cache, last_only=last_only, image_features=image_features)
 
     def logits(self, input_ids, cache=None) -> mx.array:
-        """Logits ``[B, L, V]`` of ``input_ids``.
+        """Logits ``[B, L, V]`` of ``input_ids`` (ids, or a ``Prompt`` with images).
 
         Without a cache: a full forward over the ids. With a cache from ``make_cache()``: the ids are
-        appended (a ``window`` read for several positions, ``decode`` for one) and the logits of
-        those positions are returned.
+        appended (a ``window`` read for several positions, ``decode`` for one, ``vision_prefill``
+        for a prompt with images) and the logits of those positions are returned.
         """
+        prompt = input_ids if isinstance(input_ids, Prompt) else None
+        if prompt is not None:
+            input_ids = prompt.ids
         ids = input_ids if isinstance(input_ids, mx.array) else mx.array(input_ids)
         if ids.ndim == 1:
             ids = ids[None]
-        return self.forward(ids, cache)
+        if prompt is None or not prompt.images:
+            return self.forward(ids, cache)
+        return self.forward(ids, cache, image_features=mx.concatenate([s.features for s in prompt.images]))
+
+    # ------------------------------------------------------------------------------ images
+    @property
+    def supports_images(self) -> bool:
+        """True for checkpoints with a vision tower."""
+        return hasattr(self.graph, "encode_images")
+
+    def process_images(self, images: Sequence[ImageInput | ProcessedImage], max_soft_tokens: int | None = None) -> list[ProcessedImage]:
+        """Paths, PIL images or uint8 arrays as the vision tower reads them (processed ones pass through)."""
+        self._check_vision()
+        vision = self.config.vision
+        processor = Gemma4ImageProcessor(
+            self.max_soft_tokens if max_soft_tokens is None else max_soft_tokens,
+            patch_size=vision.patch_size,
+            pooling_kernel_size=vision.pooling_kernel_size,
+        )
+        return [image if isinstance(image, ProcessedImage) else processor.process(image) for image in images]
+
+    def encode_images(self, images: Sequence[ImageInput | ProcessedImage], max_soft_tokens: int | None = None) -> list[mx.array]:
+        """Each image's soft-token features ``[n_i, hidden]``, evaluated."""
+        features = self.graph.encode_images(self.process_images(images, max_soft_tokens))
+        mx.eval(features)
+        return features
+
+    def prompt(self, prompt: str | Sequence[int], images: Sequence = (), max_soft_tokens: int | None = None) -> Prompt:
+        """The prompt ready for the model: one image placeholder (``<|image|>``) per image, expanded to
+        ``boi`` + the image's soft tokens + ``eoi``, with the images' features attached.
+
+        ``images`` are inputs for ``process_images`` or already encoded features (``mx.array``).
+        """
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not images:
+            placeholder = self.config.image_tokens.image if self.supports_images else None
+            if placeholder in ids:
+                raise ValueError(
+                    f"the prompt has {ids.count(placeholder)} image placeholders (token {placeholder}) but no images were given"
+                )
+            return Prompt(ids)
+        self._check_vision()
+        pending = [i for i, image in enumerate(images) if not isinstance(image, mx.array)]
+        encoded = self.encode_images([images[i] for i in pending], max_soft_tokens)
+        features = list(images)
+        for i, rows in zip(pending, encoded):
+            features[i] = rows
+        return expand_image_placeholders(ids, features, self.config.image_tokens)
+
+    def _check_vision(self) -> None:
+        if not self.supports_images:
+            raise ValueError(f"{self.path} is a text model ({self.model_type} without a vision tower); it cannot read images")
 
     @property
     def max_context(self) -> int | None:
@@ -83,23 +145,31 @@ class Model:
 
     def stream(
         self,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | Prompt,
         *,
+        images: Sequence = (),
+        max_soft_tokens: int | None = None,
         cache=None,
         max_tokens: int = 256,
         sampling: SamplingOptions | None = None,
         prefill_step_size: int = DEFAULT_PREFILL_STEP,
         should_stop=lambda: False,
     ) -> Iterator[Chunk]:
-        """Stream text as it is generated; no chunk ever splits a multi-byte character."""
-        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        """Stream text as it is generated; no chunk ever splits a multi-byte character.
+
+        ``images`` go with one image placeholder each in ``prompt`` (see ``prompt()``).
+        """
+        if not isinstance(prompt, Prompt):
+            prompt = self.prompt(prompt, images, max_soft_tokens)
+        elif images:
+            raise ValueError("stream: a Prompt already carries its images; pass images only with text or ids")
         cache = self.make_cache() if cache is None else cache
         stats = GenerationStats()
         detokenizer = self.tokenizer.detokenizer
         detokenizer.reset()
         for token in generate_tokens(
             self.forward,
-            ids,
+            prompt.ids,
             cache,
             sampling=sampling,
             max_tokens=max_tokens,
@@ -107,13 +177,14 @@ class Model:
             prefill_step_size=prefill_step_size,
             should_stop=should_stop,
             stats=stats,
+            images=prompt.images,
         ):
             detokenizer.add_token(token)
             yield Chunk(detokenizer.last_segment, token, stats)
         detokenizer.finalize()
         yield Chunk(detokenizer.last_segment, None, stats)
 
-    def generate(self, prompt: str | Sequence[int], **options) -> str:
+    def generate(self, prompt: str | Sequence[int] | Prompt, **options) -> str:
         return "".join(chunk.text for chunk in self.stream(prompt, **options))
 
 

@@ -1,0 +1,56 @@
+"""Describe images, or answer a question about them, with a Gemma 4 model that has a vision tower.
+
+    python -m examples.image_to_text --image photo.jpg
+    python -m examples.image_to_text --image a.jpg b.png --prompt "What differs between these?"
+
+The images go first in one user turn, then the prompt, through the model's chat template. Each
+image costs up to ``--max-soft-tokens`` prompt positions (70, 140, 280, 560 or 1120). The answer
+streams to stdout; errors (an unreadable image, a text-only model) go to stderr with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from examples.chat import DEFAULT_MODEL, add_generation_args, answer, load_model, session_from_args
+
+DEFAULT_PROMPT = "Describe this image."
+DEFAULT_PROMPT_SEVERAL = "Describe these images."
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="a zoo name, a Hub repo id or a local folder")
+    p.add_argument("--image", "-i", nargs="+", required=True, metavar="PATH", help="one or more image files")
+    p.add_argument("--prompt", "-p", help=f"the question ('-' reads it from stdin; default: {DEFAULT_PROMPT!r})")
+    p.add_argument("--system-prompt", help="a system prompt")
+    p.add_argument("--thinking", action="store_true", help="switch on the model's thinking mode")
+    add_generation_args(p)
+    p.set_defaults(max_tokens=256)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    model = load_model(args)
+    if model is None:
+        return 2
+    if not model.supports_images:
+        print(f"error: {args.model} has no vision tower; it cannot read images", file=sys.stderr)
+        return 2
+    try:
+        images = model.process_images(args.image, args.max_soft_tokens)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.prompt == "-":
+        prompt = sys.stdin.read()
+    else:
+        prompt = args.prompt or (DEFAULT_PROMPT if len(images) == 1 else DEFAULT_PROMPT_SEVERAL)
+    answer(session_from_args(model, args), prompt, args.verbose, None, images=images)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Gemma 4 with images (transformers 5.24 ``Gemma4ForConditionalGeneration``) as an MLX graph.
+
+The vision tower and embedder turn each image into soft-token features; the text decoder reads a
+prompt whose image positions hold those features (``shared/reference/gemma4-and-diffusiongemma.md``
+§4.6-4.7b):
+
+* image positions are embedded as ``pad_token_id`` and then overwritten by the features in
+  sequence order (transformers' ``masked_scatter``);
+* per-layer inputs (PLE) take their token part from the ids with image tokens replaced by pad and
+  their context part from the merged embeddings;
+* a prefill read that holds images goes through the cache's ``vision_prefill`` read with one block
+  per run of image tokens when the config asks for vision bidirectionality (sliding layers see the
+  whole image, window-limited; full layers stay causal), through ``window`` otherwise. Decode
+  steps are plain text.
+
+The decoder loop is ``Gemma4TextModel.forward``'s: it embeds through ``embed`` and
+``per_layer_inputs``, which ``Gemma4LanguageModel`` extends to image positions, so every
+optimisation of the text decoder applies unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from models.gemma4_multimodal_config import Gemma4MultimodalConfig
+from models.image_processor import ProcessedImage
+
+from .gemma4_text import Gemma4TextModel
+from .gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower, encode_images
+
+
+class ImageTokens(NamedTuple):
+    """What the decoder embeds for a chunk with images: ids with image tokens replaced by pad,
+    where the images are, and their features in sequence order."""
+
+    ids: mx.array  # [B, L]
+    is_image: mx.array  # [B, L] bool
+    features: mx.array  # [number of image positions, text hidden]
+
+
+class Gemma4LanguageModel(Gemma4TextModel):
+    """The text decoder of a multimodal checkpoint: image tokens embed as pad, or as image features.
+
+    Without features (a decode step that sampled the image token, a prompt given without its
+    images) an image token is embedded as pad, as the reference does.
+    """
+
+    def __init__(self, config: Gemma4MultimodalConfig):
+        super().__init__(config.text)
+        self._image_token_id = config.image_tokens.image
+        self._pad_token_id = config.pad_token_id
+
+    def embed(self, tokens) -> mx.array:
+        if not isinstance(tokens, ImageTokens):
+            return super().embed(self._text_ids(tokens))
+        text = super().embed(tokens.ids)
+        # masked_scatter: the k-th image position takes the k-th feature row.
+        B, L, H = text.shape
+        flat = tokens.is_image.reshape(-1)
+        rows = mx.maximum(mx.cumsum(flat.astype(mx.int32)) - 1, 0)
+        scattered = tokens.features.astype(text.dtype)[rows].reshape(B, L, H)
+        return mx.where(tokens.is_image[..., None], scattered, text)
+
+    def per_layer_inputs(self, tokens, embedded: mx.array) -> mx.array:
+        ids = tokens.ids if isinstance(tokens, ImageTokens) else self._text_ids(tokens)
+        return super().per_layer_inputs(ids, embedded)
+
+    def _text_ids(self, input_ids: mx.array) -> mx.array:
+        return mx.where(input_ids == self._image_token_id, self._pad_token_id, input_ids)
+
+
+class Gemma4MultimodalModel(nn.Module):
+    """Vision tower, embedder and text decoder; parameter names are transformers' below ``model.``.
+
+    ``model(ids, cache, last_only)`` is the text forward (as ``Gemma4TextModel``); with
+    ``image_features`` (the rows of every image inside ``ids``, in order) the images are merged and
+    the read is ``vision_prefill``. ``encode_images`` gives the features of processed images.
+    """
+
+    def __init__(self, config: Gemma4MultimodalConfig):
+        super().__init__()
+        self.config = config
+        self.language_model = Gemma4LanguageModel(config)
+        self.vision_tower = Gemma4VisionTower(config.vision)
+        self.embed_vision = Gemma4MultimodalEmbedder(
+            config.vision.hidden_size, config.text.hidden_size, config.vision.rms_norm_eps
+        )
+
+    def make_cache(self) -> list:
+        return self.language_model.make_cache()
+
+    def encode_images(self, images: Sequence[ProcessedImage]) -> list[mx.array]:
+        """Text-space features ``[num_soft_tokens, hidden]`` of each image, in order."""
+        features = encode_images(self.vision_tower, self.embed_vision, [(i.patches, i.position_ids) for i in images])
+        for image, rows in zip(images, features):
+            if rows.shape[0] != image.num_soft_tokens:
+                raise ValueError(
+                    f"image {image.source}: the vision tower gives {rows.shape[0]} soft tokens, "
+                    f"the processor announced {image.num_soft_tokens}"
+                )
+        return features
+
+    def __call__(
+        self, input_ids: mx.array, cache: list | None = None, last_only: bool = False, image_features: mx.array | None = None
+    ) -> mx.array:
+        """Logits of ``input_ids`` appended to ``cache`` (a fresh one when None).
+
+        ``image_features`` ``[n, hidden]`` must hold exactly one row per image token in
+        ``input_ids`` (every image of this read, whole). Without it the call is the text model's.
+        """
+        if image_features is None:
+            return self.language_model(input_ids, cache=cache, last_only=last_only)
+        ids = np.array(input_ids)
+        is_image = ids == self.config.image_tokens.image
+        if int(is_image.sum()) != image_features.shape[0]:
+            raise ValueError(
+                f"image features and image tokens do not match: the prompt has {int(is_image.sum())} image "
+                f"tokens, the images give {image_features.shape[0]} soft tokens"
+            )
+        tokens = ImageTokens(mx.array(np.where(is_image, self.config.pad_token_id, ids)), mx.array(is_image), image_features)
+        cache = self.make_cache() if cache is None else cache
+        read, read_args = self._prefill_read(is_image, cache)
+        return self.language_model.forward(tokens, cache, read, read_args, last_only=last_only)
+
+    def _prefill_read(self, is_image: np.ndarray, cache: list) -> tuple[str, dict]:
+        mode = self.config.text.use_bidirectional_attention
+        if mode == "all":
+            if cache[0].offset:
+                raise ValueError("Gemma 4 use_bidirectional_attention='all' encodes a whole sequence at once; "
+                                 "it has no incremental (cached) prefill")
+            return "bidirectional", {}
+        if mode == "vision":
+            return "vision_prefill", {"blocks": mx.array(image_blocks(is_image))}
+        return "window", {}
+
+
+def image_blocks(is_image: np.ndarray) -> np.ndarray:
+    """``[B, L]`` block ids: the index of each maximal run of image tokens in its row, -1 for text
+    (the reference's ``get_block_sequence_ids_for_mask``; boi/eoi are text, so one image is one run)."""
+    previous = np.concatenate([np.zeros_like(is_image[:, :1]), is_image[:, :-1]], axis=1)
+    starts = is_image & ~previous
+    return np.where(is_image, np.cumsum(starts, axis=1) - 1, -1).astype(np.int32)

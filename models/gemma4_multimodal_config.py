@@ -1,0 +1,56 @@
+"""The configuration of a Gemma 4 checkpoint with a vision tower (transformers' ``Gemma4Config``).
+
+It is the text config, the vision config and the ids that place images in a prompt. Audio and
+video are not built: their towers' weights are ignored and their tokens are ordinary text here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .gemma4_config import Gemma4TextConfig
+from .gemma4_vision_config import Gemma4VisionConfig
+from .image_prompt import ImageTokenIds
+
+# transformers 5.24's Gemma4Config / Gemma4TextConfig defaults (the released tokenizer's ids).
+_DEFAULT_IDS = {"image_token_id": 258_880, "boi_token_id": 255_999, "eoi_token_id": 258_882}
+_DEFAULT_PAD_TOKEN_ID = 0
+
+
+@dataclass(frozen=True)
+class Gemma4MultimodalConfig:
+    text: Gemma4TextConfig
+    vision: Gemma4VisionConfig
+    image_tokens: ImageTokenIds
+    pad_token_id: int  # image positions are embedded as this token before their features overwrite them
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "Gemma4MultimodalConfig":
+        """Parse a ``gemma4`` ``config.json`` that has a ``vision_config``."""
+        text = Gemma4TextConfig.from_dict(raw)
+        vision = Gemma4VisionConfig.from_dict(raw)
+        ids = {name: raw.get(name, default) for name, default in _DEFAULT_IDS.items()}
+        for name, value in ids.items():
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"Gemma4MultimodalConfig: {name} must be a token id, got {value!r}")
+        pad = (raw.get("text_config") or {}).get("pad_token_id", _DEFAULT_PAD_TOKEN_ID)
+        if not isinstance(pad, int) or not 0 <= pad < text.vocab_size:
+            raise ValueError(f"Gemma4MultimodalConfig: text_config.pad_token_id must be an id below {text.vocab_size}, got {pad!r}")
+        tokens = ImageTokenIds(image=ids["image_token_id"], boi=ids["boi_token_id"], eoi=ids["eoi_token_id"])
+        if tokens.boi == tokens.image or tokens.eoi == tokens.image:
+            raise ValueError(f"Gemma4MultimodalConfig: boi/eoi must differ from the image token, got {tokens}")
+        return cls(text=text, vision=vision, image_tokens=tokens, pad_token_id=pad)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.text.max_position_embeddings
+
+    @property
+    def vision_bidirectional(self) -> bool:
+        """Sliding layers attend both ways inside an image during prefill (``use_bidirectional_attention == "vision"``)."""
+        return self.text.use_bidirectional_attention == "vision"
+
+
+def has_vision_config(raw: Mapping[str, Any]) -> bool:
+    return raw.get("model_type") == "gemma4" and bool(raw.get("vision_config"))
