@@ -253,3 +253,90 @@ def test_existing_output_and_missing_input(tmp_path, converted):
         convert_gguf(tmp_path / "x.gguf", tmp_path / "new", progress=False)
     with pytest.raises(ValueError, match="dtype must be one of"):
         convert_gguf(tmp_path / "x.gguf", tmp_path / "new", dtype="float16", progress=False)
+
+
+def test_untied_head_is_kept(tmp_path):
+    from graphs.gemma3_text import Gemma3TextModel, load_gemma3_text_weights
+    from models.gemma3_config import Gemma3TextConfig
+
+    head = np.random.default_rng(2).normal(0, 0.1, (len(TOKENS), CONFIG["hidden_size"])).astype(np.float32)
+    _write_gguf(tmp_path / "untied.gguf", extra_tensor=("output.weight", head))
+    out = convert_gguf(tmp_path / "untied.gguf", tmp_path / "hub", progress=False)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    np.testing.assert_array_equal(load_file(str(out / "model.safetensors"))["lm_head.weight"], head)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = Gemma3TextModel(Gemma3TextConfig.from_dict(json.loads((out / "config.json").read_text())))
+    load_gemma3_text_weights(ours, mx.load(str(out / "model.safetensors")))
+    ids = np.arange(3, 13)[None]
+    with torch.no_grad():
+        want = loaded(torch.tensor(ids)).logits.numpy()
+    assert float(np.abs(np.array(ours(mx.array(ids))) - want).max()) <= 1e-4
+
+
+def _metadata(**overrides):
+    """The gemma3 keys a 270M-like file records, as ``read_gguf`` returns them."""
+    values = {
+        "block_count": 18, "embedding_length": 640, "feed_forward_length": 2048, "context_length": 32768,
+        "attention.head_count": 4, "attention.head_count_kv": 1, "attention.key_length": 256,
+        "attention.value_length": 256, "attention.layer_norm_rms_epsilon": 9.999999974752427e-07,
+        "rope.freq_base": 1e6, "attention.sliding_window": 512,
+    }  # fmt: skip
+    values.update(overrides)
+    return {f"gemma3.{k}": v for k, v in values.items() if v is not None}
+
+
+def test_config_keeps_llama_cpp_fixed_values():
+    from weights.gguf_gemma3 import gemma3_text_config
+
+    config = gemma3_text_config(_metadata(), vocab_size=262144, tied=True)
+    assert config["rms_norm_eps"] == 1e-6 and config["rope_local_base_freq"] == 10_000.0
+    assert config["query_pre_attn_scalar"] == 256 and config["sliding_window_pattern"] == 6
+    assert [i for i, t in enumerate(config["layer_types"]) if t == "full_attention"] == [5, 11, 17]
+    # the 27B (62 blocks) scales queries by (hidden / heads) ** -0.5, as llama.cpp does
+    big = _metadata(**{"block_count": 62, "embedding_length": 5376, "attention.head_count": 32,
+                       "attention.key_length": 128, "attention.value_length": 128})  # fmt: skip
+    assert gemma3_text_config(big, vocab_size=262208, tied=True)["query_pre_attn_scalar"] == 168
+    swa = _metadata(**{"rope.freq_base_swa": 20_000.0})
+    assert gemma3_text_config(swa, vocab_size=262144, tied=True)["rope_local_base_freq"] == 20_000.0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"block_count": None}, "no gemma3.block_count"),
+        ({"attention.value_length": 128}, "value_length = 128 differs"),
+        ({"rope.scaling.type": "yarn"}, "rope.scaling.type 'yarn'"),
+        ({"rope.scaling.type": "linear"}, "no gemma3.rope.scaling.factor"),
+        ({"attention.sliding_window_pattern": [True, False]}, "2 entries for 18 blocks"),
+    ],
+)
+def test_config_errors_name_the_key(overrides, message):
+    from weights.gguf_gemma3 import gemma3_text_config
+
+    with pytest.raises(ValueError, match=message):
+        gemma3_text_config(_metadata(**overrides), vocab_size=262144, tied=True)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"tokenizer.ggml.model": "gpt2"}, "tokenizer.ggml.model is 'gpt2'"),
+        ({"tokenizer.ggml.scores": SCORES[:-1]}, "must be equally many"),
+        ({"tokenizer.ggml.tokens": TOKENS[:-1] + ["a"]}, "duplicate tokens"),
+        ({"tokenizer.ggml.bos_token_id": len(TOKENS)}, "bos_token_id = 275 is outside"),
+        ({"tokenizer.ggml.token_type": None}, "no tokenizer.ggml.token_type"),
+    ],
+)
+def test_tokenizer_errors_name_the_key(change, message):
+    from weights.gguf_tokenizer import gemma_tokenizer_from_gguf
+
+    metadata = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": TOKENS,
+        "tokenizer.ggml.scores": SCORES,
+        "tokenizer.ggml.token_type": TYPES,
+        "tokenizer.ggml.bos_token_id": 2,
+    }
+    metadata.update(change)
+    with pytest.raises(ValueError, match=message):
+        gemma_tokenizer_from_gguf({k: v for k, v in metadata.items() if v is not None})

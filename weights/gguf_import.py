@@ -109,8 +109,6 @@ def _weights(reader: GGUFReader, metadata: dict, dtype: mx.Dtype, progress: bool
     weights: dict[str, mx.array] = {}
     for tensor in tqdm(reader.tensors, desc=f"Converting {label}", unit="tensor", disable=not progress):
         name = gguf_gemma3.hf_tensor_name(tensor.name, layers)
-        if name in weights:
-            raise ValueError(f"GGUF import: two tensors map to {name!r} (the second is {tensor.name!r})")
         weights[name] = mx.array(gguf_gemma3.from_gguf_values(name, dequantize_tensor(tensor))).astype(dtype)
         mx.eval(weights[name])
     return weights
