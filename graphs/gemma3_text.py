@@ -54,10 +54,12 @@ def shared_rope(head_dim: int, params: Mapping[str, Any]) -> RoPE:
     ``factor * theta^(2j/D)``; the default kind passes through unchanged.
     """
     if params["rope_type"] == "linear":
-        return RoPE(
-            head_dim,
-            {"rope_type": "proportional", "partial_rotary_factor": 1.0, "factor": params["factor"], "rope_theta": params["rope_theta"]},
-        )
+        params = {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 1.0,
+            "factor": params["factor"],
+            "rope_theta": params["rope_theta"],
+        }
     return RoPE(head_dim, params)
 
 
@@ -176,7 +178,9 @@ def map_gemma3_text_weights(weights: Mapping[str, mx.array], model: Gemma3TextMo
     expected = {name: tuple(a.shape) for name, a in tree_flatten(model.parameters())}
     prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in weights), None)
     if prefix is None:
-        raise ValueError(f"gemma3 keys: no embed_tokens.weight under any of {TEXT_PREFIXES}; first keys: {sorted(weights)[:5]}")
+        raise ValueError(
+            f"gemma3 keys: no embed_tokens.weight under any of {TEXT_PREFIXES}; first keys: {sorted(weights)[:5]}"
+        )
     mapped: dict[str, mx.array] = {}
     for key, value in weights.items():
         if key in LM_HEAD_KEYS:
@@ -195,7 +199,8 @@ def map_gemma3_text_weights(weights: Mapping[str, mx.array], model: Gemma3TextMo
             raise ValueError(f"gemma3 keys: unexpected key {key!r} (no parameter {name!r} in the graph)")
         if tuple(value.shape) != expected[name]:
             raise ValueError(
-                f"gemma3 keys: {key!r} has shape {list(value.shape)} in the checkpoint, the graph expects {list(expected[name])}"
+                f"gemma3 keys: {key!r} has shape {list(value.shape)} in the checkpoint, "
+                f"the graph expects {list(expected[name])}"
             )
         mapped[name] = value
     missing = sorted(set(expected) - set(mapped))

