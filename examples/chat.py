@@ -65,10 +65,10 @@ def session_from_args(model, args: argparse.Namespace) -> ChatSession:
 
 
 def load_model(args: argparse.Namespace):
-    """The model, or None after printing why it is not available."""
+    """The model, or None after printing why it cannot be loaded (not available, not a checkpoint, damaged)."""
     try:
         return models.load(args.model, dtype=args.dtype)
-    except models.ModelNotAvailableError as err:
+    except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
 

@@ -14,6 +14,7 @@ import argparse
 import sys
 
 from examples.chat import DEFAULT_MODEL, add_generation_args, answer, load_model, session_from_args
+from models.image_processor import Gemma4ImageProcessor
 
 DEFAULT_PROMPT = "Describe this image."
 DEFAULT_PROMPT_SEVERAL = "Describe these images."
@@ -33,17 +34,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    try:
+        for path in args.image:  # a bad file is reported before the (long) model load
+            Gemma4ImageProcessor().load_rgb(path)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     model = load_model(args)
     if model is None:
         return 2
     if not model.supports_images:
         print(f"error: {args.model} has no vision tower; it cannot read images", file=sys.stderr)
         return 2
-    try:
-        images = model.process_images(args.image, args.max_soft_tokens)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    images = model.process_images(args.image, args.max_soft_tokens)
     if args.prompt == "-":
         prompt = sys.stdin.read()
     else:

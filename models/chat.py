@@ -118,11 +118,13 @@ class ChatSession:
         """Add a user turn (``images`` first, then ``text``) and stream the model's answer; the answer
         joins the history at the end. Images are paths, PIL images, uint8 arrays or ``ProcessedImage`` s."""
         start = time.perf_counter()
-        new_features = self.model.encode_images(list(images), self.max_soft_tokens) if images else []
+        processed = self.model.process_images(list(images), self.max_soft_tokens) if images else []
+        new_features = self.model.encode_images(processed) if images else []
         self.last_vision_seconds = time.perf_counter() - start
         content = text
         if images:
-            content = [*({"type": "image"} for _ in images), {"type": "text", "text": text}]
+            # The template reads only the type; the source names the image in transcripts.
+            content = [*({"type": "image", "image": image.source} for image in processed), {"type": "text", "text": text}]
         messages = self.messages + [{"role": "user", "content": content}]
         features = self.image_features + new_features
         prompt = self.render_prompt(messages, features)

@@ -129,6 +129,20 @@ def test_greedy_generation_equals_transformers(pair, images):
     assert ours == out[0, len(prompt.ids):].tolist()
 
 
+def test_bfloat16_weights_read_images(vision_pair, images):
+    """With bf16 weights the features and the decoder run in bf16; the features differ from fp32 by
+    bf16 rounding (transformers' own bf16 features differ from its fp32 ones by about 0.04 here)."""
+    _, model, directory = vision_pair
+    half = models.load(str(directory), dtype="bfloat16", tokenizer=False)
+    prompt = half.prompt(PROMPT_TWO, images, BUDGET)
+    reference = model.prompt(PROMPT_TWO, images, BUDGET)
+    for ours, full in zip(prompt.images, reference.images):
+        assert ours.features.dtype == mx.bfloat16
+        assert worst(ours.features.astype(mx.float32), full.features) < 0.1
+    logits = half.logits(prompt)
+    assert logits.dtype == mx.bfloat16 and bool(mx.isfinite(logits).all())
+
+
 # ------------------------------------------------------------------------------ cache
 
 
