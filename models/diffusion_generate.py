@@ -212,7 +212,7 @@ def stream_diffusion(
     prompt_ids,
     options: DiffusionGenerationConfig | None = None,
     *,
-    images: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
+    image_features: Sequence[mx.array] = (),
     seed: int | None = None,
     noise: Noise | None = None,
     cache: list | None = None,
@@ -222,11 +222,12 @@ def stream_diffusion(
     """Run block diffusion on ``model`` (a ``graphs.diffusion_gemma.DiffusionGemmaModel``), yielding
     every denoising step, every committed block and finally ``Finished(result)``.
 
-    ``prompt_ids``: ``[L]`` or ``[B, L]`` ids, image tokens already expanded (one run of
-    ``num_soft_tokens`` image tokens per image, as the Gemma 4 processor writes them) and
-    ``images`` their ``(patches, position_ids)`` in order of appearance. With ``cache`` (from an
-    earlier run's ``result.cache``) the prompt is appended to it. ``initial_canvas [B, C]``
-    replaces the first block's random canvas. ``noise`` overrides ``seed``.
+    ``prompt_ids``: ``[L]`` or ``[B, L]`` ids, image placeholders already expanded (``boi``, one
+    image token per soft token, ``eoi``: ``models.image_prompt.expand_image_placeholders``) and
+    ``image_features`` the images' ``[n_i, H]`` features (``model.image_features``) in row-major
+    order of appearance. With ``cache`` (an earlier run's ``result.cache``) the prompt is appended
+    to it. ``initial_canvas [B, C]`` replaces the first block's random canvas. ``noise``
+    overrides ``seed``.
     """
     options = options or DiffusionGenerationConfig()
     config = model.config
@@ -236,8 +237,7 @@ def stream_diffusion(
     noise = noise or MLXNoise(seed)
     cache = model.make_cache() if cache is None else cache
     start = time.perf_counter()
-    features = model.image_features(images) if images else []
-    _encode_prompt(model, ids, cache, features, prefill_step)
+    _encode_prompt(model, ids, cache, list(image_features), prefill_step)
     prefill_seconds = time.perf_counter() - start
 
     start = time.perf_counter()

@@ -74,10 +74,11 @@ def hf_generate(hf, ids: np.ndarray, seed: int = 0, hf_images: dict | None = Non
     return out, draws
 
 
-def replay(ours, ids, draws, images=None, **options):
+def replay(ours, ids, draws, images=(), **options):
     """Our loop on transformers' draws; returns (result, events)."""
     noise = tiny.ReplayNoise(draws)
-    events = list(stream_diffusion(ours, ids, DiffusionGenerationConfig(**options), noise=noise, images=images))
+    features = ours.image_features(images) if images else ()
+    events = list(stream_diffusion(ours, ids, DiffusionGenerationConfig(**options), noise=noise, image_features=features))
     assert noise.exhausted, "our loop drew fewer random numbers than transformers"
     return events[-1].result, events
 

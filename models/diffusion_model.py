@@ -1,0 +1,132 @@
+"""A loaded DiffusionGemma: graph, config, tokenizer and generation defaults, with the user-facing calls.
+
+``load_diffusion(path)`` is to DiffusionGemma what ``models.load`` is to the autoregressive
+models: the same checkpoint reading (``weights``), the graph ``graphs.diffusion_gemma``, and
+``generation_config.json`` as the defaults of every run (explicit options override them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import mlx.core as mx
+from mlx_lm.tokenizer_utils import load as load_mlx_lm_tokenizer
+
+from graphs.diffusion_gemma import DiffusionGemmaModel
+from weights import load_safetensors, read_config, resolve_model_path
+from weights.diffusion_gemma_keys import load_diffusion_gemma_weights
+
+from .diffusion_config import DiffusionGemmaConfig, DiffusionGenerationConfig
+from .diffusion_generate import DEFAULT_PREFILL_STEP, CommittedBlock, DenoiseStep, DiffusionResult, Finished, stream_diffusion
+from .image_processor import DEFAULT_MAX_SOFT_TOKENS, Gemma4ImageProcessor, ImageInput, ProcessedImage
+from .image_prompt import ImageTokenIds, Prompt, expand_image_placeholders
+from .loading import read_generation_config
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+class DiffusionModel:
+    """What ``load_diffusion`` returns; the canvas demo uses exactly these calls."""
+
+    model_type = "diffusion_gemma"
+
+    def __init__(self, graph, config: DiffusionGemmaConfig, tokenizer, generation_config: dict, path: Path):
+        self.graph = graph
+        self.config = config
+        self.tokenizer = tokenizer
+        self.generation_config = generation_config
+        self.path = Path(path)
+        self.defaults = DiffusionGenerationConfig.from_generation_config(generation_config)
+
+    def options(self, **overrides) -> DiffusionGenerationConfig:
+        """The checkpoint's generation defaults with ``overrides`` applied (unknown options raise)."""
+        return self.defaults.updated(**overrides)
+
+    # ------------------------------------------------------------------------------ prompts
+    @property
+    def supports_images(self) -> bool:
+        return self.config.vision is not None
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.path} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); pass token ids")
+        return list(self.tokenizer.encode(text))
+
+    def chat_ids(self, text: str, images: int = 0) -> list[int]:
+        """One user turn through the tokenizer's chat template, with ``images`` image placeholders before the text."""
+        content = [*({"type": "image"} for _ in range(images)), {"type": "text", "text": text}]
+        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+        return self.encode(rendered)
+
+    def prompt(
+        self, prompt: str | Sequence[int], images: Sequence[ImageInput | ProcessedImage] = (), max_soft_tokens: int | None = None
+    ) -> Prompt:
+        """Ids ready for the encoder: one image placeholder per image expanded to ``boi`` + its soft tokens + ``eoi``."""
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not images:
+            return Prompt(ids)
+        if not self.supports_images:
+            raise ValueError(f"{self.path} has no vision tower (no vision_config); it cannot read images")
+        vision = self.config.vision
+        processor = Gemma4ImageProcessor(
+            max_soft_tokens or DEFAULT_MAX_SOFT_TOKENS, patch_size=vision.patch_size, pooling_kernel_size=vision.pooling_kernel_size
+        )
+        processed = [i if isinstance(i, ProcessedImage) else processor.process(i) for i in images]
+        features = self.graph.image_features([(p.patches, p.position_ids) for p in processed])
+        mx.eval(features)
+        tokens = ImageTokenIds(self.config.image_token_id, self.config.boi_token_id, self.config.eoi_token_id)
+        return expand_image_placeholders(ids, features, tokens)
+
+    # ------------------------------------------------------------------------------ generation
+    def stream(
+        self,
+        prompt: str | Sequence[int] | Prompt,
+        images: Sequence[ImageInput | ProcessedImage] = (),
+        *,
+        seed: int | None = None,
+        cache: list | None = None,
+        prefill_step: int = DEFAULT_PREFILL_STEP,
+        max_soft_tokens: int | None = None,
+        **options,
+    ) -> Iterator[DenoiseStep | CommittedBlock | Finished]:
+        """Every denoising step, every committed block, then ``Finished(result)``.
+
+        ``options`` are ``DiffusionGenerationConfig`` fields over the checkpoint's defaults; a
+        text prompt is tokenized as is (use ``chat_ids`` for an instruction-tuned turn)."""
+        if not isinstance(prompt, Prompt):
+            prompt = self.prompt(prompt, images, max_soft_tokens)
+        features = [span.features for span in prompt.images]
+        return stream_diffusion(
+            self.graph, prompt.ids, self.options(**options), image_features=features, seed=seed, cache=cache, prefill_step=prefill_step
+        )
+
+    def generate(self, prompt, images=(), **kwargs) -> DiffusionResult:
+        for event in self.stream(prompt, images, **kwargs):
+            if isinstance(event, Finished):
+                return event.result
+        raise AssertionError("stream ended without a result")
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(str(int(t)) for t in tokens)
+        return self.tokenizer.decode([int(t) for t in tokens])
+
+
+def load_diffusion(name_or_path: str, dtype=None, tokenizer: bool = True) -> DiffusionModel:
+    """Load a ``diffusion_gemma`` checkpoint (local folder or Hub repo id).
+
+    ``dtype`` casts floating weights. The tokenizer is attached when the folder has one and
+    ``tokenizer`` is True; without one, prompts are token ids and ``decode`` shows ids.
+    """
+    folder = resolve_model_path(str(name_or_path))
+    config = DiffusionGemmaConfig.from_dict(read_config(folder))
+    graph = DiffusionGemmaModel(config)
+    weights, _ = load_safetensors(folder, dtype=dtype)
+    load_diffusion_gemma_weights(graph, weights)
+    graph.eval()
+    generation_config = read_generation_config(folder)
+    wrapper = None
+    if tokenizer and any((folder / name).is_file() for name in TOKENIZER_FILES):
+        wrapper = load_mlx_lm_tokenizer(folder, eos_token_ids=generation_config.get("eos_token_id"))
+    return DiffusionModel(graph, config, wrapper, generation_config, folder)
