@@ -88,10 +88,15 @@ def ctrl_c_stops_answer():
         signal.signal(signal.SIGINT, previous)
 
 
-def answer(session: ChatSession, text: str, verbose: bool, transcript: str | None, images=()) -> None:
+def answer(session: ChatSession, text: str, verbose: bool, transcript: str | None, images=()) -> bool:
+    """Stream the answer to ``text``; False (after printing why) when the turn was refused."""
     with ctrl_c_stops_answer() as should_stop:
-        for piece in session.send(text, should_stop=should_stop, images=images):
-            print(piece, end="", flush=True)
+        try:
+            for piece in session.send(text, should_stop=should_stop, images=images):
+                print(piece, end="", flush=True)
+        except ValueError as err:  # e.g. a typed <|image|> without an attached image, a prompt past the context
+            print(f"[error: {err}]", file=sys.stderr, flush=True)
+            return False
     print(flush=True)
     stats = session.last_stats
     if stats and stats.finish_reason == "interrupted":
@@ -106,6 +111,7 @@ def answer(session: ChatSession, text: str, verbose: bool, transcript: str | Non
             f"peak memory {stats.peak_memory_gb:.2f} GB]",
             flush=True,
         )
+    return True
 
 
 def attach_image(model, path: str, max_soft_tokens: int, pending: list) -> None:
@@ -130,8 +136,7 @@ def main(argv=None) -> int:
     session = session_from_args(model, args)
     if args.prompt is not None:
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        answer(session, prompt, args.verbose, args.transcript)
-        return 0
+        return 0 if answer(session, prompt, args.verbose, args.transcript) else 2
     image_help = " /image PATH attaches an image;" if model.supports_images else ""
     print(f"Chatting with {args.model}. Ctrl-C stops an answer;{image_help} /reset clears the history; /quit leaves.")
     pending: list = []  # images for the next message

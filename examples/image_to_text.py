@@ -51,8 +51,7 @@ def main(argv=None) -> int:
         prompt = sys.stdin.read()
     else:
         prompt = args.prompt or (DEFAULT_PROMPT if len(images) == 1 else DEFAULT_PROMPT_SEVERAL)
-    answer(session_from_args(model, args), prompt, args.verbose, None, images=images)
-    return 0
+    return 0 if answer(session_from_args(model, args), prompt, args.verbose, None, images=images) else 2
 
 
 if __name__ == "__main__":

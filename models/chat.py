@@ -93,12 +93,15 @@ class ChatSession:
         )
         return list(tokenizer.encode(text, add_special_tokens=False))
 
-    def render_prompt(self, messages: list[dict] | None = None, image_features: Sequence[mx.array] | None = None) -> Prompt:
-        """``render`` with every image expanded to its soft tokens and its features attached."""
+    def render_prompt(
+        self, messages: list[dict] | None = None, image_features: Sequence[mx.array] | None = None
+    ) -> Prompt:
+        """``render`` with every image expanded to its soft tokens and its features attached
+        (``image_features``: one per image of ``messages``, default the session's)."""
         ids = self.render(messages)
-        features = self.image_features if image_features is None else image_features
-        if not features:
+        if not self.model.supports_images:
             return Prompt(ids)
+        features = self.image_features if image_features is None else image_features
         return expand_image_placeholders(ids, features, self.model.config.image_tokens)
 
     def _reuse_cache(self, ids: list[int], images: Sequence[ImageSpan] = ()) -> list[int]:
@@ -124,7 +127,7 @@ class ChatSession:
         content = text
         if images:
             # The template reads only the type; the source names the image in transcripts.
-            content = [*({"type": "image", "image": image.source} for image in processed), {"type": "text", "text": text}]
+            content = [*({"type": "image", "image": p.source} for p in processed), {"type": "text", "text": text}]
         messages = self.messages + [{"role": "user", "content": content}]
         features = self.image_features + new_features
         prompt = self.render_prompt(messages, features)

@@ -41,7 +41,9 @@ class Model:
         """One cache per layer (views for KV-shared layers), empty."""
         return self.graph.make_cache()
 
-    def forward(self, input_ids: mx.array, cache, last_only: bool = False, image_features: mx.array | None = None) -> mx.array:
+    def forward(
+        self, input_ids: mx.array, cache, last_only: bool = False, image_features: mx.array | None = None
+    ) -> mx.array:
         """Logits of ``input_ids`` appended to ``cache``; ``image_features`` holds the rows of every
         image token in ``input_ids`` (whole images only), in order."""
         self._check_context(cache, input_ids.shape[-1])
@@ -73,7 +75,9 @@ class Model:
         """True for checkpoints with a vision tower."""
         return hasattr(self.graph, "encode_images")
 
-    def process_images(self, images: Sequence[ImageInput | ProcessedImage], max_soft_tokens: int | None = None) -> list[ProcessedImage]:
+    def process_images(
+        self, images: Sequence[ImageInput | ProcessedImage], max_soft_tokens: int | None = None
+    ) -> list[ProcessedImage]:
         """Paths, PIL images or uint8 arrays as the vision tower reads them (processed ones pass through)."""
         self._check_vision()
         vision = self.config.vision
@@ -84,33 +88,32 @@ class Model:
         )
         return [image if isinstance(image, ProcessedImage) else processor.process(image) for image in images]
 
-    def encode_images(self, images: Sequence[ImageInput | ProcessedImage], max_soft_tokens: int | None = None) -> list[mx.array]:
+    def encode_images(
+        self, images: Sequence[ImageInput | ProcessedImage], max_soft_tokens: int | None = None
+    ) -> list[mx.array]:
         """Each image's soft-token features ``[n_i, hidden]``, evaluated."""
         features = self.graph.encode_images(self.process_images(images, max_soft_tokens))
         mx.eval(features)
         return features
 
-    def prompt(self, prompt: str | Sequence[int], images: Sequence = (), max_soft_tokens: int | None = None) -> Prompt:
+    def prompt(
+        self,
+        prompt: str | Sequence[int],
+        images: Sequence[ImageInput | ProcessedImage] = (),
+        max_soft_tokens: int | None = None,
+    ) -> Prompt:
         """The prompt ready for the model: one image placeholder (``<|image|>``) per image, expanded to
-        ``boi`` + the image's soft tokens + ``eoi``, with the images' features attached.
-
-        ``images`` are inputs for ``process_images`` or already encoded features (``mx.array``).
-        """
+        ``boi`` + the image's soft tokens + ``eoi``, with the images' features attached."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not images:
-            placeholder = self.config.image_tokens.image if self.supports_images else None
-            if placeholder in ids:
-                raise ValueError(
-                    f"the prompt has {ids.count(placeholder)} image placeholders (token {placeholder}) but no images were given"
-                )
-            return Prompt(ids)
-        self._check_vision()
-        pending = [i for i, image in enumerate(images) if not isinstance(image, mx.array)]
-        encoded = self.encode_images([images[i] for i in pending], max_soft_tokens)
-        features = list(images)
-        for i, rows in zip(pending, encoded):
-            features[i] = rows
-        return expand_image_placeholders(ids, features, self.config.image_tokens)
+        if images:
+            self._check_vision()
+            return expand_image_placeholders(ids, self.encode_images(images, max_soft_tokens), self.config.image_tokens)
+        if self.supports_images and self.config.image_tokens.image in ids:
+            placeholder = self.config.image_tokens.image
+            raise ValueError(
+                f"the prompt has {ids.count(placeholder)} image placeholders (token {placeholder}) but no images were given"
+            )
+        return Prompt(ids)
 
     def _check_vision(self) -> None:
         if not self.supports_images:

@@ -123,9 +123,10 @@ def test_greedy_generation_equals_transformers(pair, images):
                                 images=prompt.images))  # fmt: skip
     batch = HFProcessor(max_soft_tokens=BUDGET)(images=images, return_tensors="pt")
     ids = torch.tensor([prompt.ids])
+    pixels = dict(pixel_values=batch["pixel_values"], image_position_ids=batch["image_position_ids"])
     with torch.no_grad():
-        out = reference.generate(input_ids=ids, pixel_values=batch["pixel_values"], image_position_ids=batch["image_position_ids"],
-                                 mm_token_type_ids=(ids == IMAGE).long(), max_new_tokens=12, do_sample=False, eos_token_id=None)  # fmt: skip
+        out = reference.generate(input_ids=ids, **pixels, mm_token_type_ids=(ids == IMAGE).long(), max_new_tokens=12,
+                                 do_sample=False, eos_token_id=None)  # fmt: skip
     assert ours == out[0, len(prompt.ids):].tolist()
 
 
@@ -272,7 +273,7 @@ def test_checkpoint_without_the_tower_loads_as_text(vision_pair, tmp_path):
     ids = [2, 40, 41, 42, 43]
     assert worst(text.logits(ids), model.logits(ids)) == 0.0
     with pytest.raises(ValueError, match="is a text model .* cannot read images"):
-        text.prompt([2, IMAGE], [mx.zeros((3, 64))])
+        text.prompt([2, IMAGE], [np.zeros((48, 48, 3), np.uint8)])
 
 
 def test_gemma4_without_vision_config_is_a_text_model(tmp_path):

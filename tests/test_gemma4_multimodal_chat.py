@@ -153,6 +153,14 @@ def test_a_replaced_image_with_the_same_token_count_is_fed_again(model, photos):
     assert float(mx.max(mx.abs(cached - fresh))) < 1e-4
 
 
+def test_a_typed_placeholder_without_an_image_is_refused(model):
+    session = ChatSession(model, max_tokens=4)
+    with pytest.raises(ValueError, match=r"1 image placeholder \(token 258880\) but 0 images were given"):
+        "".join(session.send("Look: <|image|>"))
+    assert session.messages == [] and session.fed == []
+    assert isinstance("".join(session.send("Hello")), str)
+
+
 def test_images_need_a_vision_model(model, photos, tmp_path):
     """A gemma4 checkpoint whose tower was dropped (mlx-lm's conversion) chats as text and refuses images."""
     from tests.test_gemma4_multimodal import copy_with_keys
