@@ -86,6 +86,24 @@ def photos():
     return found["chelsea.png"], found["coffee.png"]
 
 
+def test_a_real_photo_in_a_chat_prompt_equals_transformers(checkpoint, model, photos):
+    """The whole path on the released ids: template, placeholder expansion, a real photo, logits."""
+    from PIL import Image
+    from transformers import Gemma4ForConditionalGeneration
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    session = ChatSession(model)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    prompt = session.render_prompt(messages, model.encode_images(photos[:1], BUDGET))
+    reference = Gemma4ForConditionalGeneration.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    batch = Gemma4ImageProcessorPil(max_soft_tokens=BUDGET)(images=[Image.open(photos[0])], return_tensors="pt")
+    ids = torch.tensor([prompt.ids])
+    with torch.no_grad():
+        want = reference(input_ids=ids, pixel_values=batch["pixel_values"], image_position_ids=batch["image_position_ids"],
+                         mm_token_type_ids=(ids == 258880).long()).logits.numpy()  # fmt: skip
+    assert np.abs(np.array(model.logits(prompt)) - want).max() < 1e-4
+
+
 def next_turn_logits(session: ChatSession, text: str, images=()) -> tuple[mx.array, mx.array, int]:
     """The last logits of the next user turn as the session computes them (cache kept, only the new
     part fed) and from a fresh prefill of the whole conversation; and how many positions were fed.
