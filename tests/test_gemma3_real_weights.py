@@ -2,7 +2,8 @@
 
 Both sides load the same converted folder in float32. Teacher forcing over a 700-token English
 text (the opening of the Declaration of Independence, public domain), well past the 512-token
-window, with prefill chunks of 512, 100 and 1; then greedy continuations of plain prompts.
+window, with prefill chunks of 512, 100 and 1; then greedy continuations of plain prompts; and the
+converted weights against transformers' own GGUF import of the same file.
 
 Time on 2 CPU cores is dominated by MLX's float32 matmuls (about 5 positions/s for a full
 forward with its 262144-wide head), so the chunk-1 run decodes the 128 positions 448..575, which
@@ -175,3 +176,19 @@ def test_greedy_continuations_match_transformers(ours, reference, tokenizer, cap
         assert got == want, f"{prompt!r}: ours {got} != transformers {want}"
         if prompt == PROMPTS[0]:
             assert got == GOLDEN_FRANCE
+
+
+def test_converted_weights_equal_transformers_gguf_loader(folder):
+    """Our names, dequantization and norm offset agree bit for bit with transformers' own GGUF import."""
+    from safetensors.numpy import load_file
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from models.gemma3_assets import gemma3_270m_gguf
+
+    with torch.device("meta"):
+        skeleton = transformers.Gemma3ForCausalLM(transformers.AutoConfig.from_pretrained(folder))
+    theirs = load_gguf_checkpoint(str(gemma3_270m_gguf()), return_tensors=True, model_to_load=skeleton)["tensors"]
+    ours = load_file(str(folder / "model.safetensors"))
+    assert set(ours) == set(theirs)
+    for name, value in ours.items():
+        np.testing.assert_array_equal(value, np.asarray(theirs[name], dtype=np.float32), err_msg=name)
