@@ -1,15 +1,18 @@
 """KV caches and the attention reads every graph calls; masks are built here and nowhere else.
 
-``KVCache`` serves full-attention layers and ``RotatingKVCache`` sliding-window layers. Each offers
-the five per-graph reads (``decode``, ``window``, ``vision_prefill``, ``encoder``, ``canvas``),
-``shared_view()`` for KV-shared layers, trims, and ``state`` / ``from_state``.
+``KVCache`` serves full-attention layers and ``RotatingKVCache`` sliding-window layers;
+``QuantizedKVCache`` and ``RotatingQuantizedKVCache`` are the same on quantized storage. Each offers
+the per-graph reads (``decode``, ``window``, ``vision_prefill``, ``encoder``, ``canvas``, and
+``bidirectional`` for encoder-only configs), ``shared_view()`` for KV-shared layers, trims, and
+``state`` / ``from_state``.
 """
 
 from .base import AttentionCache, SharedView
-from .full import KVCache
-from .rotating import RotatingKVCache
+from .full import KVCache, QuantizedKVCache
+from .quantize import quantize_caches
+from .rotating import RotatingKVCache, RotatingQuantizedKVCache
 
-KINDS = {cls.kind: cls for cls in (KVCache, RotatingKVCache)}
+KINDS = {cls.kind: cls for cls in (KVCache, RotatingKVCache, QuantizedKVCache, RotatingQuantizedKVCache)}
 
 
 def cache_from_state(state: dict) -> AttentionCache:
@@ -20,4 +23,14 @@ def cache_from_state(state: dict) -> AttentionCache:
     return KINDS[kind].from_state(state)
 
 
-__all__ = ["AttentionCache", "KVCache", "RotatingKVCache", "SharedView", "KINDS", "cache_from_state"]
+__all__ = [
+    "AttentionCache",
+    "KVCache",
+    "RotatingKVCache",
+    "QuantizedKVCache",
+    "RotatingQuantizedKVCache",
+    "SharedView",
+    "KINDS",
+    "cache_from_state",
+    "quantize_caches",
+]

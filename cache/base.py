@@ -20,7 +20,8 @@ import mlx.core as mx
 import numpy as np
 
 from . import masks
-from .attention import attend, check_blocks, check_qkv, check_scale
+from .attention import check_blocks, check_qkv, check_scale
+from .codecs import Dense, Planes
 
 
 class Attended(NamedTuple):
@@ -29,8 +30,8 @@ class Attended(NamedTuple):
     read: str
     length: int
     offset: int
-    keys: mx.array
-    values: mx.array
+    keys: Planes
+    values: Planes
     mask: object
 
 
@@ -40,9 +41,12 @@ class AttentionCache:
     kind: str = ""
     sliding_window: int | None = None
 
-    def __init__(self) -> None:
-        self.keys: mx.array | None = None  # [B, Hkv, capacity, D]; rows [0, _rows) hold positions in temporal order
-        self.values: mx.array | None = None
+    def __init__(self, codec=None) -> None:
+        self.codec = codec or Dense()
+        # Planes [B, Hkv, capacity, ...]; rows [0, _rows) hold positions in temporal order.
+        self.keys: Planes | None = None
+        self.values: Planes | None = None
+        self._geometry: tuple | None = None  # (B, Hkv, D, Dv, dtype) of what is stored
         self._rows = 0
         self.offset = 0
         self._ends_in_image: list[bool] | None = None  # per row: the last stored position belongs to an image
@@ -105,11 +109,12 @@ class AttentionCache:
         """DiffusionGemma's decoder read; writes nothing. Bidirectional over the stored history
         (sliding: the newest ``min(stored, window - 1)`` positions; full: all) followed by the block."""
         check_qkv("canvas", q, k, v)
+        scale = check_scale("canvas", scale)
         self._check_compatible("canvas", k, v)
         self._last = None
-        keys, values = self._canvas_keys(k, v)
+        keys, values = self._canvas_keys(self.codec.encode(k), self.codec.encode(v), k, v)
         self._last = Attended("canvas", q.shape[2], self.offset, keys, values, None)
-        return attend(q, keys, values, check_scale("canvas", scale), None)
+        return self.codec.attend(q, keys, values, scale, None)
 
     # ------------------------------------------------------------------------------- shared layers
     def shared_view(self) -> "SharedView":
@@ -123,17 +128,19 @@ class AttentionCache:
         return self._rows
 
     def temporal(self) -> tuple[mx.array, mx.array] | tuple[None, None]:
-        """The stored keys and values, oldest first: the newest ``stored`` positions."""
+        """The stored keys and values, oldest first: the newest ``stored`` positions (dequantized
+        from a quantized cache)."""
         if self.keys is None:
             return None, None
-        return self.keys[..., : self._rows, :], self.values[..., : self._rows, :]
+        n = self._rows
+        return self.codec.decode(rows(self.keys, 0, n)), self.codec.decode(rows(self.values, 0, n))
 
     @property
     def nbytes(self) -> int:
         """Bytes of storage allocated now."""
         if self.keys is None:
             return 0
-        return self.keys.nbytes + self.values.nbytes
+        return sum(p.nbytes for p in self.keys + self.values)
 
     @property
     def bytes_per_token(self) -> int:
@@ -160,13 +167,15 @@ class AttentionCache:
 
     @property
     def state(self) -> dict:
-        """Everything needed to continue exactly: the stored rows and every position counter."""
-        keys, values = self.temporal()
+        """Everything needed to continue exactly: the stored planes as stored (no re-quantization),
+        their geometry, every position counter and the constructor settings."""
+        n = self._rows
         return {
             "kind": self.kind,
             "offset": self.offset,
-            "keys": keys,
-            "values": values,
+            "keys": None if self.keys is None else rows(self.keys, 0, n),
+            "values": None if self.values is None else rows(self.values, 0, n),
+            "geometry": self._geometry,
             "ends_in_image": self._ends_in_image,
             **self._config(),
         }
@@ -176,13 +185,17 @@ class AttentionCache:
         kind = state.get("kind")
         if kind != cls.kind:
             raise ValueError(f"from_state: state is of kind {kind!r}, expected {cls.kind!r}")
+        missing = [name for name in ("offset", "keys", "values", *cls._config_names()) if name not in state]
+        if missing:
+            raise ValueError(f"from_state: the {kind!r} state lacks {missing}")
         cache = cls(**{name: state[name] for name in cls._config_names()})
-        keys, values = state["keys"], state["values"]
-        offset = int(state["offset"])
-        rows = 0 if keys is None else keys.shape[2]
-        if rows > offset:
-            raise ValueError(f"from_state: {rows} stored positions exceed the offset {offset}")
-        cache._restore(keys, values, offset)
+        keys, values, offset = state["keys"], state["values"], int(state["offset"])
+        stored = 0 if keys is None else keys[0].shape[2]
+        if stored > offset:
+            raise ValueError(f"from_state: {stored} stored positions exceed the offset {offset}")
+        cache.keys, cache.values = (None, None) if keys is None else (tuple(keys), tuple(values))
+        cache._geometry = state.get("geometry") if keys is not None else None
+        cache._rows, cache.offset = stored, offset
         cache._ends_in_image = state.get("ends_in_image")
         return cache
 
@@ -193,27 +206,30 @@ class AttentionCache:
         self._last = None
         self._ends_in_image = None
         q_start = self.offset
-        keys, values, k_start = self._append(k, v)
+        if self._geometry is None:
+            self._geometry = (k.shape[0], k.shape[1], k.shape[3], v.shape[3], k.dtype)
+        keys, values, k_start = self._append(self.codec.encode(k), self.codec.encode(v), k, v)
         self.offset += k.shape[2]
-        mask = make_mask(q_start, q.shape[2], k_start, keys.shape[2])
+        mask = make_mask(q_start, q.shape[2], k_start, keys[0].shape[2])
         self._last = Attended(read, q.shape[2], self.offset, keys, values, mask)
-        return attend(q, keys, values, scale, mask)
+        return self.codec.attend(q, keys, values, scale, mask)
 
     def _check_compatible(self, read: str, k: mx.array, v: mx.array) -> None:
-        if self.keys is None:
+        self.codec.check(read, k, v)
+        if self._geometry is None:
             return
-        B, Hkv, _, D = self.keys.shape
+        B, Hkv, D, Dv, dtype = self._geometry
         checks = (
             ("batch size", B, k.shape[0]),
             ("kv heads", Hkv, k.shape[1]),
             ("k head dim", D, k.shape[3]),
-            ("v head dim", self.values.shape[3], v.shape[3]),
+            ("v head dim", Dv, v.shape[3]),
         )
         for what, expected, got in checks:
             if expected != got:
                 raise ValueError(f"{read}: {what} {got} does not match the cache's {expected}")
-        if k.dtype != self.keys.dtype:
-            raise ValueError(f"{read}: k dtype {k.dtype} does not match the cache's {self.keys.dtype}")
+        if k.dtype != dtype:
+            raise ValueError(f"{read}: k dtype {k.dtype} does not match the cache's {dtype}")
 
     def _check_image_blocks(self, read: str, blocks, q: mx.array) -> mx.array:
         blocks = check_blocks(read, blocks, q.shape[0], q.shape[2])
@@ -227,24 +243,15 @@ class AttentionCache:
                     )
         return blocks
 
-    def _new_buffers(self, like_k: mx.array, like_v: mx.array, rows: int) -> tuple[mx.array, mx.array]:
-        B, H, _, D = like_k.shape
-        return (
-            mx.zeros((B, H, rows, D), dtype=like_k.dtype),
-            mx.zeros((B, H, rows, like_v.shape[3]), dtype=like_v.dtype),
-        )
+    def _new_planes(self, like_k: mx.array, like_v: mx.array, n: int) -> tuple[Planes, Planes]:
+        return self.codec.zeros(like_k, n), self.codec.zeros(like_v, n)
 
-    def _restore(self, keys, values, offset: int) -> None:
-        self.offset = offset
-        self._rows = 0 if keys is None else keys.shape[2]
-        self.keys, self.values = keys, values
-        self._last = None
-
-    # subclass hooks
-    def _append(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array, int]:
+    # subclass hooks: storage layout, on planes
+    def _append(self, k: Planes, v: Planes, raw_k: mx.array, raw_v: mx.array) -> tuple[Planes, Planes, int]:
+        """Store the new positions; return the run of positions their queries may see and its start."""
         raise NotImplementedError
 
-    def _canvas_keys(self, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array]:
+    def _canvas_keys(self, k: Planes, v: Planes, raw_k: mx.array, raw_v: mx.array) -> tuple[Planes, Planes]:
         raise NotImplementedError
 
     def _config(self) -> dict:
@@ -253,6 +260,20 @@ class AttentionCache:
     @classmethod
     def _config_names(cls) -> tuple[str, ...]:
         return ()
+
+
+def rows(planes: Planes, start: int, stop: int) -> Planes:
+    return tuple(p[..., start:stop, :] for p in planes)
+
+
+def concat(a: Planes, b: Planes) -> Planes:
+    return tuple(mx.concatenate([x, y], axis=2) for x, y in zip(a, b))
+
+
+def write_rows(planes: Planes, start: int, new: Planes) -> None:
+    """In place (MLX updates the buffer without a copy when nothing else holds it)."""
+    for p, x in zip(planes, new):
+        p[..., start : start + x.shape[2], :] = x
 
 
 class SharedView:
@@ -300,7 +321,7 @@ class SharedView:
             # Queries for only the newest positions (a KV-shared tail that needs just the last
             # outputs): their rows of the donor's mask. None and MLX's bottom-right "causal" hold as is.
             mask = mask[..., -q.shape[2] :, :]
-        return attend(q, last.keys, last.values, check_scale(read, scale), mask)
+        return self.donor.codec.attend(q, last.keys, last.values, check_scale(read, scale), mask)
 
     def decode(self, q, k=None, v=None, *, scale):
         return self._replay("decode", q, k, v, scale)

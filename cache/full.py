@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import AttentionCache
+from .base import AttentionCache, concat, rows, write_rows
+from .codecs import Quantized
 
 
 class KVCache(AttentionCache):
@@ -16,10 +17,10 @@ class KVCache(AttentionCache):
 
     kind = "full"
 
-    def __init__(self, step: int = 256):
+    def __init__(self, step: int = 256, codec=None):
         if int(step) < 1:
-            raise ValueError(f"KVCache: step must be >= 1, got {step}")
-        super().__init__()
+            raise ValueError(f"{type(self).__name__}: step must be >= 1, got {step}")
+        super().__init__(codec)
         self.step = int(step)
 
     @classmethod
@@ -30,38 +31,80 @@ class KVCache(AttentionCache):
     def bytes_per_token(self) -> int:
         if self.keys is None:
             return 0
-        B, H, _, D = self.keys.shape
-        return B * H * (D + self.values.shape[3]) * self.keys.dtype.size
+        return sum(p.nbytes // p.shape[2] for p in self.keys + self.values)
 
     def can_trim(self, n: int) -> bool:
         return 0 <= n <= self._rows
 
-    def _reserve(self, rows: int, k: mx.array, v: mx.array) -> None:
-        """Make room for ``rows`` positions, keeping the stored ones."""
-        capacity = 0 if self.keys is None else self.keys.shape[2]
-        if rows <= capacity:
+    def to_quantized(self, bits: int = 8, group_size: int = 64) -> "QuantizedKVCache":
+        """A quantized twin holding the same positions (quantized once, here)."""
+        twin = QuantizedKVCache(bits=bits, group_size=group_size, step=self.step)
+        _copy_quantized(self, twin)
+        return twin
+
+    def _reserve(self, needed: int, raw_k: mx.array, raw_v: mx.array) -> None:
+        """Make room for ``needed`` positions, keeping the stored ones."""
+        capacity = 0 if self.keys is None else self.keys[0].shape[2]
+        if needed <= capacity:
             return
-        grown = -(-rows // self.step) * self.step
-        new_k, new_v = self._new_buffers(k, v, grown - self._rows)
+        grown = -(-needed // self.step) * self.step
+        fresh_k, fresh_v = self._new_planes(raw_k, raw_v, grown - self._rows)
         if self.keys is None or self._rows == 0:
-            self.keys, self.values = new_k, new_v
+            self.keys, self.values = fresh_k, fresh_v
         else:
-            self.keys = mx.concatenate([self.keys[..., : self._rows, :], new_k], axis=2)
-            self.values = mx.concatenate([self.values[..., : self._rows, :], new_v], axis=2)
+            self.keys = concat(rows(self.keys, 0, self._rows), fresh_k)
+            self.values = concat(rows(self.values, 0, self._rows), fresh_v)
 
-    def _append(self, k, v):
-        n, L = self._rows, k.shape[2]
-        self._reserve(n + L, k, v)
-        self.keys[..., n : n + L, :] = k
-        self.values[..., n : n + L, :] = v
+    def _append(self, k, v, raw_k, raw_v):
+        n, L = self._rows, raw_k.shape[2]
+        self._reserve(n + L, raw_k, raw_v)
+        write_rows(self.keys, n, k)
+        write_rows(self.values, n, v)
         self._rows = n + L
-        return self.keys[..., : n + L, :], self.values[..., : n + L, :], 0
+        return rows(self.keys, 0, n + L), rows(self.values, 0, n + L), 0
 
-    def _canvas_keys(self, k, v):
+    def _canvas_keys(self, k, v, raw_k, raw_v):
         # The block goes into the free rows past the stored ones without being counted as stored,
         # so the read costs no copy of the history.
-        n, L = self._rows, k.shape[2]
-        self._reserve(n + L, k, v)
-        self.keys[..., n : n + L, :] = k
-        self.values[..., n : n + L, :] = v
-        return self.keys[..., : n + L, :], self.values[..., : n + L, :]
+        n, L = self._rows, raw_k.shape[2]
+        self._reserve(n + L, raw_k, raw_v)
+        write_rows(self.keys, n, k)
+        write_rows(self.values, n, v)
+        return rows(self.keys, 0, n + L), rows(self.values, 0, n + L)
+
+
+class QuantizedKVCache(KVCache):
+    """``KVCache`` on MLX affine-quantized storage (``bits`` 2-8, ``group_size`` 32/64/128 along
+    the head dim); the reads attend with quantized matmuls and never dequantize the history."""
+
+    kind = "full-quantized"
+
+    def __init__(self, bits: int = 8, group_size: int = 64, step: int = 256):
+        super().__init__(step, codec=Quantized(bits, group_size))
+
+    @property
+    def bits(self) -> int:
+        return self.codec.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.codec.group_size
+
+    @classmethod
+    def _config_names(cls):
+        return ("bits", "group_size", "step")
+
+    def to_quantized(self, bits: int = 8, group_size: int = 64):
+        raise ValueError(f"to_quantized: this cache is already quantized ({self.bits} bits, group {self.group_size})")
+
+
+def _copy_quantized(source: AttentionCache, twin: AttentionCache) -> None:
+    """Move ``source``'s stored positions and counters into the empty quantized ``twin``."""
+    if source.keys is not None and source._rows:
+        keys, values = source.temporal()
+        twin.codec.check("to_quantized", keys, values)
+        twin.keys, twin.values = twin.codec.encode(keys), twin.codec.encode(values)
+        twin._rows = source._rows
+        twin._geometry = source._geometry
+    twin.offset = source.offset
+    twin._ends_in_image = source._ends_in_image

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .base import AttentionCache
+from .base import AttentionCache, concat, rows, write_rows
+from .codecs import Quantized
+from .full import _copy_quantized
 
 
 class RotatingKVCache(AttentionCache):
@@ -26,7 +28,7 @@ class RotatingKVCache(AttentionCache):
 
     kind = "sliding"
 
-    def __init__(self, window: int, slack: int = 16, step: int = 256):
+    def __init__(self, window: int, slack: int = 16, step: int = 256, codec=None):
         window, slack, step = int(window), int(slack), int(step)
         if window < 1:
             raise ValueError(f"RotatingKVCache: window must be >= 1, got {window}")
@@ -34,7 +36,7 @@ class RotatingKVCache(AttentionCache):
             raise ValueError(f"RotatingKVCache: slack must be >= 0, got {slack}")
         if step < 1:
             raise ValueError(f"RotatingKVCache: step must be >= 1, got {step}")
-        super().__init__()
+        super().__init__(codec)
         self.sliding_window = window
         self.slack = slack
         self.step = step
@@ -76,62 +78,91 @@ class RotatingKVCache(AttentionCache):
     def _history(self) -> int:
         return min(self._rows, self.sliding_window - 1)
 
-    def _make_room(self, L: int, k: mx.array, v: mx.array) -> bool:
+    def to_quantized(self, bits: int = 8, group_size: int = 64) -> "RotatingQuantizedKVCache":
+        """A quantized twin holding the same positions (quantized once, here), still trimmable."""
+        twin = RotatingQuantizedKVCache(self.sliding_window, bits, group_size, self.slack, self.step)
+        _copy_quantized(self, twin)
+        return twin
+
+    def _make_room(self, L: int, raw_k: mx.array, raw_v: mx.array) -> bool:
         """Ensure ``L`` free rows after the stored ones; False when the chunk cannot fit at all."""
         n = self._rows
-        allocated = 0 if self.keys is None else self.keys.shape[2]
+        allocated = 0 if self.keys is None else self.keys[0].shape[2]
         if n + L <= allocated:
             return True
         keep = n if n + L <= self.capacity else min(n, self.retained)
         if keep + L > self.capacity:
             return False
         # Once positions start being dropped the buffer stays at full capacity: no regrowth copies.
-        rows = self.capacity if keep < n else min(self.capacity, -(-(keep + L) // self.step) * self.step)
-        fresh_k, fresh_v = self._new_buffers(k, v, rows - keep)
+        size = self.capacity if keep < n else min(self.capacity, -(-(keep + L) // self.step) * self.step)
+        fresh_k, fresh_v = self._new_planes(raw_k, raw_v, size - keep)
         if keep:
-            self.keys = mx.concatenate([self.keys[..., n - keep : n, :], fresh_k], axis=2)
-            self.values = mx.concatenate([self.values[..., n - keep : n, :], fresh_v], axis=2)
+            self.keys = concat(rows(self.keys, n - keep, n), fresh_k)
+            self.values = concat(rows(self.values, n - keep, n), fresh_v)
         else:
             self.keys, self.values = fresh_k, fresh_v
         self._rows = keep
         return True
 
-    def _append(self, k, v):
-        L = k.shape[2]
-        if not self._make_room(L, k, v):
-            return self._append_oversized(k, v)
+    def _append(self, k, v, raw_k, raw_v):
+        L = raw_k.shape[2]
+        if not self._make_room(L, raw_k, raw_v):
+            return self._append_oversized(k, v, raw_k, raw_v)
         n = self._rows
         h = self._history()
-        self.keys[..., n : n + L, :] = k
-        self.values[..., n : n + L, :] = v
+        write_rows(self.keys, n, k)
+        write_rows(self.values, n, v)
         self._rows = n + L
-        return self.keys[..., n - h : n + L, :], self.values[..., n - h : n + L, :], self.offset - h
+        return rows(self.keys, n - h, n + L), rows(self.values, n - h, n + L), self.offset - h
 
-    def _append_oversized(self, k, v):
-        n, L, h = self._rows, k.shape[2], self._history()
+    def _append_oversized(self, k, v, raw_k, raw_v):
+        n, L, h = self._rows, raw_k.shape[2], self._history()
         if h:
-            keys = mx.concatenate([self.keys[..., n - h : n, :], k], axis=2)
-            values = mx.concatenate([self.values[..., n - h : n, :], v], axis=2)
+            keys = concat(rows(self.keys, n - h, n), k)
+            values = concat(rows(self.values, n - h, n), v)
         else:
             keys, values = k, v
         keep_old = min(n, max(self.retained - L, 0))
-        tail_k = k[..., L - min(L, self.retained) :, :]
-        tail_v = v[..., L - min(L, self.retained) :, :]
+        tail_k, tail_v = rows(k, L - min(L, self.retained), L), rows(v, L - min(L, self.retained), L)
         if keep_old:
-            tail_k = mx.concatenate([self.keys[..., n - keep_old : n, :], tail_k], axis=2)
-            tail_v = mx.concatenate([self.values[..., n - keep_old : n, :], tail_v], axis=2)
-        kept = tail_k.shape[2]
-        fresh_k, fresh_v = self._new_buffers(k, v, self.capacity - kept)
-        self.keys = mx.concatenate([tail_k, fresh_k], axis=2)
-        self.values = mx.concatenate([tail_v, fresh_v], axis=2)
+            tail_k = concat(rows(self.keys, n - keep_old, n), tail_k)
+            tail_v = concat(rows(self.values, n - keep_old, n), tail_v)
+        kept = tail_k[0].shape[2]
+        fresh_k, fresh_v = self._new_planes(raw_k, raw_v, self.capacity - kept)
+        self.keys, self.values = concat(tail_k, fresh_k), concat(tail_v, fresh_v)
         self._rows = kept
         return keys, values, self.offset - h
 
-    def _canvas_keys(self, k, v):
+    def _canvas_keys(self, k, v, raw_k, raw_v):
         n, h = self._rows, self._history()
         if not h:
             return k, v
-        return (
-            mx.concatenate([self.keys[..., n - h : n, :], k], axis=2),
-            mx.concatenate([self.values[..., n - h : n, :], v], axis=2),
-        )
+        return concat(rows(self.keys, n - h, n), k), concat(rows(self.values, n - h, n), v)
+
+
+class RotatingQuantizedKVCache(RotatingKVCache):
+    """``RotatingKVCache`` on MLX affine-quantized storage: the same window, slack, trims and
+    reads, attended with quantized matmuls (the history is never dequantized)."""
+
+    kind = "sliding-quantized"
+
+    def __init__(self, window: int, bits: int = 8, group_size: int = 64, slack: int = 16, step: int = 256):
+        super().__init__(window, slack, step, codec=Quantized(bits, group_size))
+
+    @property
+    def bits(self) -> int:
+        return self.codec.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.codec.group_size
+
+    @classmethod
+    def _config_names(cls):
+        return ("window", "bits", "group_size", "slack", "step")
+
+    def _config(self) -> dict:
+        return {**super()._config(), "bits": self.bits, "group_size": self.group_size}
+
+    def to_quantized(self, bits: int = 8, group_size: int = 64):
+        raise ValueError(f"to_quantized: this cache is already quantized ({self.bits} bits, group {self.group_size})")

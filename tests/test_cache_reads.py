@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache import KVCache, RotatingKVCache, cache_from_state
+from cache import KVCache, QuantizedKVCache, RotatingKVCache, RotatingQuantizedKVCache, cache_from_state
 from tests.dense_reference import DenseReference
 
 TOL = 1e-5
@@ -24,8 +24,14 @@ D = 8
 class Driver:
     """Runs one cache and the reference side by side and checks every answer."""
 
-    def __init__(self, window, slack, step, B, Hkv, groups, Dv, scale, seed):
-        self.cache = KVCache(step=step) if window is None else RotatingKVCache(window, slack=slack, step=step)
+    def __init__(self, window, slack, step, B, Hkv, groups, Dv, scale, seed, bits=None, group_size=32, D=D):
+        if bits is None:
+            self.cache = KVCache(step=step) if window is None else RotatingKVCache(window, slack=slack, step=step)
+        elif window is None:
+            self.cache = QuantizedKVCache(bits=bits, group_size=group_size, step=step)
+        else:
+            self.cache = RotatingQuantizedKVCache(window, bits=bits, group_size=group_size, slack=slack, step=step)
+        self.bits, self.group_size, self.D = bits, group_size, D
         self.ref = DenseReference(window)
         self.window, self.slack = window, slack
         self.B, self.Hkv, self.Hq, self.Dv, self.scale = B, Hkv, Hkv * groups, Dv, scale
@@ -34,10 +40,18 @@ class Driver:
 
     def qkv(self, L):
         r = self.rng
-        q = r.standard_normal((self.B, self.Hq, L, D)).astype(np.float32)
-        k = r.standard_normal((self.B, self.Hkv, L, D)).astype(np.float32)
+        q = r.standard_normal((self.B, self.Hq, L, self.D)).astype(np.float32)
+        k = r.standard_normal((self.B, self.Hkv, L, self.D)).astype(np.float32)
         v = r.standard_normal((self.B, self.Hkv, L, self.Dv)).astype(np.float32)
         return mx.array(q), mx.array(k), mx.array(v)
+
+    def stored(self, x):
+        """What the cache keeps of ``x``: itself, or its quantize-dequantize round trip, so that the
+        reference sees the same values and only storage and reading errors show."""
+        if self.bits is None:
+            return x
+        return mx.dequantize(*mx.quantize(x, group_size=self.group_size, bits=self.bits),
+                             group_size=self.group_size, bits=self.bits)
 
     def blocks(self, L):
         """Random images per row; a row whose stored positions end in an image starts with text."""
@@ -64,7 +78,7 @@ class Driver:
         blocks = self.blocks(L) if read in ("vision_prefill", "encoder") else None
         args = (q, k, v) if blocks is None else (q, k, v, blocks)
         got = getattr(self.cache, read)(*args, scale=self.scale)
-        self.ref.write(k, v, None if blocks is None else np.array(blocks))
+        self.ref.write(self.stored(k), self.stored(v), None if blocks is None else np.array(blocks))
         self.compare(got, self.ref.attend_new(read, q, self.scale), f"{read} L={L}")
         # A KV-shared layer reads the same positions with its own queries, without writing.
         q2 = self.qkv(L)[0]
@@ -81,7 +95,7 @@ class Driver:
         q, k, v = self.qkv(L)
         before = (self.cache.offset, self.cache.stored)
         got = self.cache.canvas(q, k, v, scale=self.scale)
-        self.compare(got, self.ref.canvas(q, k, v, self.scale), f"canvas L={L}")
+        self.compare(got, self.ref.canvas(q, self.stored(k), self.stored(v), self.scale), f"canvas L={L}")
         assert (self.cache.offset, self.cache.stored) == before, "canvas must write nothing"
         self.check_invariants(after_write=0)
 
@@ -109,7 +123,8 @@ class Driver:
             assert stored == ref.offset
         else:
             assert min(ref.offset, self.window - 1) <= stored
-            assert c.nbytes <= self.B * self.Hkv * (D + self.Dv) * 4 * c.capacity
+            if self.bits is None:
+                assert c.nbytes <= self.B * self.Hkv * (self.D + self.Dv) * 4 * c.capacity
         if stored:
             keys, values = c.temporal()
             np.testing.assert_array_equal(np.array(keys), ref.keys[:, :, ref.offset - stored :].astype(np.float32))
@@ -148,6 +163,41 @@ OPS = st.one_of(
 )
 def test_random_programs_match_dense_reference(window, slack, step, B, Hkv, groups, Dv, scale, seed, ops):
     run = Driver(window, slack, step, B, Hkv, groups, Dv, scale, seed)
+    for op, n in ops:
+        if op == "decode":
+            for _ in range(n):
+                run.write_read("decode", 1)
+        elif op in ("window", "vision_prefill", "encoder"):
+            run.write_read(op, n)
+        elif op == "canvas":
+            if run.ref.offset:
+                run.canvas(n)
+        elif op == "trim":
+            if run.ref.offset:
+                run.trim(min(n, run.ref.offset))
+        else:
+            run.restore()
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    window=st.one_of(st.none(), st.integers(1, 9)),
+    slack=st.integers(0, 4),
+    step=st.integers(1, 8),
+    B=st.sampled_from([1, 3]),
+    Hkv=st.sampled_from([1, 2]),
+    groups=st.sampled_from([1, 2, 4]),
+    quant=st.sampled_from([(4, 32, 32), (8, 32, 32), (4, 64, 64), (8, 64, 64)]),
+    sharpness=st.sampled_from([1.0, 2.0]),
+    seed=st.integers(0, 2**31 - 1),
+    ops=st.lists(OPS, min_size=1, max_size=20),
+)
+def test_quantized_caches_match_dense_reference_on_the_round_trip(window, slack, step, B, Hkv, groups, quant, sharpness, seed, ops):
+    """The same random programs on quantized storage: the reference attends the quantize-dequantize
+    round trip of every key and value, so the comparison isolates storage and reading errors."""
+    bits, group_size, dim = quant
+    scale = sharpness * dim**-0.5
+    run = Driver(window, slack, step, B, Hkv, groups, dim, scale, seed, bits=bits, group_size=group_size, D=dim)
     for op, n in ops:
         if op == "decode":
             for _ in range(n):
@@ -269,7 +319,7 @@ def test_decode_builds_no_mask_in_steady_state():
     for _ in range(20):
         cache.decode(x, x, x, scale=1.0)
         assert cache._last.mask is None
-        assert cache._last.keys.shape[2] == min(cache.offset, 4)
+        assert cache._last.keys[0].shape[2] == min(cache.offset, 4)
 
 
 @pytest.mark.parametrize("window", [None, 1, 3, 6])

@@ -1,0 +1,107 @@
+"""How a cache stores one position's keys or values, and how it attends over what it stores.
+
+Storage is a tuple of arrays ("planes") whose position axis is -2: one plane for full precision,
+three (packed, scales, biases) for MLX's affine quantization. The caches' layout code (growth,
+compaction, trims) works on planes and never needs to know which codec it holds.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .attention import attend
+
+Planes = tuple  # tuple[mx.array, ...], position axis -2
+
+
+class Dense:
+    """Keys and values as they come, attended by MLX's fused attention."""
+
+    quantized = False
+
+    def config(self) -> dict:
+        return {}
+
+    def check(self, read: str, k: mx.array, v: mx.array) -> None:
+        pass
+
+    def encode(self, x: mx.array) -> Planes:
+        return (x,)
+
+    def zeros(self, like: mx.array, rows: int) -> Planes:
+        B, H, _, D = like.shape
+        return (mx.zeros((B, H, rows, D), dtype=like.dtype),)
+
+    def decode(self, planes: Planes) -> mx.array:
+        return planes[0]
+
+    def attend(self, q: mx.array, keys: Planes, values: Planes, scale: float, mask) -> mx.array:
+        return attend(q, keys[0], values[0], scale, mask)
+
+
+class Quantized:
+    """MLX affine quantization along the head dim (``mx.quantize``), attended without ever
+    dequantizing the stored history: two ``mx.quantized_matmul`` products around an fp32 softmax.
+
+    Written here rather than taken from mlx-lm's ``quantized_scaled_dot_product_attention`` because
+    that one reshapes its output with the key head dim (wrong when values have another width) and
+    rebuilds the causal mask itself; ours takes the cache's mask as is.
+    """
+
+    quantized = True
+    BITS = (2, 3, 4, 5, 6, 8)
+    GROUP_SIZES = (32, 64, 128)
+
+    def __init__(self, bits: int, group_size: int):
+        if bits not in self.BITS:
+            raise ValueError(f"kv_bits must be one of {self.BITS}, got {bits}")
+        if group_size not in self.GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be one of {self.GROUP_SIZES}, got {group_size}")
+        self.bits, self.group_size = int(bits), int(group_size)
+
+    def config(self) -> dict:
+        return {"bits": self.bits, "group_size": self.group_size}
+
+    def check(self, read: str, k: mx.array, v: mx.array) -> None:
+        for name, x in (("k", k), ("v", v)):
+            if x.shape[-1] % self.group_size:
+                raise ValueError(
+                    f"{read}: {name} head dim {x.shape[-1]} is not a multiple of kv_group_size {self.group_size}"
+                )
+            if not mx.issubdtype(x.dtype, mx.floating):
+                raise ValueError(f"{read}: {name} must be floating point to be quantized, got {x.dtype}")
+
+    def encode(self, x: mx.array) -> Planes:
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def zeros(self, like: mx.array, rows: int) -> Planes:
+        B, H, _, D = like.shape
+        return (
+            mx.zeros((B, H, rows, D * self.bits // 32), dtype=mx.uint32),
+            mx.zeros((B, H, rows, D // self.group_size), dtype=like.dtype),
+            mx.zeros((B, H, rows, D // self.group_size), dtype=like.dtype),
+        )
+
+    def decode(self, planes: Planes) -> mx.array:
+        return mx.dequantize(*planes, group_size=self.group_size, bits=self.bits)
+
+    def attend(self, q: mx.array, keys: Planes, values: Planes, scale: float, mask) -> mx.array:
+        B, Hq, L, D = q.shape
+        Hkv = keys[0].shape[1]
+        groups = Hq // Hkv
+        # GQA by folding each kv head's query heads into rows: the stored planes are used as they
+        # are, never broadcast (a broadcast would copy the whole history once per query head).
+        q = (q * scale).reshape(B, Hkv, groups * L, D)
+        quantized = dict(group_size=self.group_size, bits=self.bits)
+        scores = mx.quantized_matmul(q, *keys, transpose=True, **quantized).astype(mx.float32)
+        T = scores.shape[-1]
+        scores = scores.reshape(B, Hkv, groups, L, T)
+        if isinstance(mask, str):  # "causal": the last query aligned with the last key
+            mask = mx.arange(T - L, T)[:, None] >= mx.arange(T)[None]
+        if mask is not None:
+            if mask.ndim == 4:  # [B, 1, L, T] -> [B, 1, 1, L, T]
+                mask = mask[:, :, None]
+            scores = mx.where(mask, scores, -mx.inf)
+        probs = mx.softmax(scores, axis=-1).astype(q.dtype).reshape(B, Hkv, groups * L, T)
+        out = mx.quantized_matmul(probs, *values, transpose=False, **quantized)
+        return out.reshape(B, Hq, L, -1)
