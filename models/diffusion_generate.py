@@ -368,7 +368,7 @@ def _encode_prompt(model, ids: np.ndarray, cache: list, features: list, step: in
 
 def _eval_cache(cache: list) -> None:
     """Evaluate the cache writes; the encoder's hidden states past them are never computed."""
-    mx.eval([c.keys for c in cache] + [c.values for c in cache])
+    mx.eval([(state["keys"], state["values"]) for state in (c.state for c in cache)])
 
 
 def _check_prompt(prompt_ids, vocab_size: int) -> np.ndarray:

@@ -77,7 +77,7 @@ def compare_caches(hf_cache, ours) -> float:
 
 def check_decoder(hf, ours, hf_cache, cache, position: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
-    B = cache[0].keys.shape[0]
+    B = cache[0].temporal()[0].shape[0]
     canvas = rng.integers(0, 256, (B, C))
     self_conditioning = (rng.normal(size=(B, C, 256)) * 4).astype(np.float32)
     for sc in (None, self_conditioning):
