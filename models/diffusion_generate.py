@@ -255,13 +255,11 @@ def stream_diffusion(
             canvas = _check_canvas(initial_canvas, B, C, V)
         else:
             canvas = noise.canvas((B, C), V)
-        denoised = yield from _denoise_block(model, cache, canvas, options, noise, rows_finished, passes, block)
-        argmax, steps = denoised
+        argmax, steps = yield from _denoise_block(model, cache, canvas, options, noise, rows_finished, passes, block)
         steps_per_block.append(steps)
         committed, has_eos = _commit(argmax, rows_finished, options)
         sequences = np.concatenate([sequences, committed], axis=1)
-        newly = has_eos & ~rows_finished
-        for row in np.flatnonzero(newly):
+        for row in np.flatnonzero(has_eos & ~rows_finished):
             reasons[row] = "stop"
         # transformers' MaxLengthCriteria, present only when max_length was set: the prompt given
         # to this run plus the committed blocks.
