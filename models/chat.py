@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
-from .generate import DEFAULT_PREFILL_STEP, GenerationStats, SamplingOptions
+from .generate import DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions
 from .image_prompt import ImageSpan, Prompt, expand_image_placeholders
 from .model import Model, owning_caches, trim_cache
 
@@ -63,8 +63,10 @@ class ChatSession:
         max_tokens: int = 512,
         prefill_step_size: int = DEFAULT_PREFILL_STEP,
         max_soft_tokens: int | None = None,
+        kv_quantization: KVQuantization | None = None,
     ):
         self.model = model
+        self.kv_quantization = kv_quantization
         self.enable_thinking = enable_thinking
         self.sampling = sampling
         self.max_tokens = max_tokens
@@ -143,6 +145,7 @@ class ChatSession:
                 sampling=self.sampling,
                 prefill_step_size=self.prefill_step_size,
                 should_stop=should_stop,
+                kv_quantization=self.kv_quantization,
             ):
                 if chunk.token is not None:
                     generated.append(chunk.token)

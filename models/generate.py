@@ -19,9 +19,25 @@ from typing import Callable, Iterable, Iterator, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
+from cache import quantize_caches
+
 from .image_prompt import ImageSpan, prefill_chunks
 
 DEFAULT_PREFILL_STEP = 512
+
+
+@dataclass
+class KVQuantization:
+    """Quantized KV storage once a cache holds ``start`` positions (mlx-lm's ``--kv-bits``,
+    ``--kv-group-size``, ``--quantized-kv-start``); ``bits=None`` keeps full precision."""
+
+    bits: int | None = None
+    group_size: int = 64
+    start: int = 5000
+
+    def apply(self, cache: list) -> None:
+        if self.bits is not None:
+            quantize_caches(cache, self.bits, self.group_size, self.start)
 
 
 @dataclass
@@ -68,7 +84,12 @@ class GenerationStats:
 
 
 def prefill(
-    forward, ids: Sequence[int], cache, step: int = DEFAULT_PREFILL_STEP, images: Sequence[ImageSpan] = ()
+    forward,
+    ids: Sequence[int],
+    cache,
+    step: int = DEFAULT_PREFILL_STEP,
+    images: Sequence[ImageSpan] = (),
+    kv_quantization: KVQuantization | None = None,
 ) -> mx.array:
     """Feed ``ids`` to the cache in chunks of about ``step``; returns the logits of the last position [V].
 
@@ -84,6 +105,8 @@ def prefill(
         extra = {"image_features": mx.concatenate(inside)} if inside else {}
         logits = forward(chunk, cache, last_only=True, **extra)
         mx.eval(logits)
+        if kv_quantization is not None:
+            kv_quantization.apply(cache)
         mx.clear_cache()
     return logits[0, -1]
 
@@ -100,13 +123,15 @@ def generate_tokens(
     should_stop: Callable[[], bool] = lambda: False,
     stats: GenerationStats | None = None,
     images: Sequence[ImageSpan] = (),
+    kv_quantization: KVQuantization | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids; each yielded id has already been fed to ``cache``.
 
     ``forward(ids [1, L], cache, last_only)`` returns logits; the next step is queued before a
     token is yielded (``mx.async_eval``) so the host's work overlaps the device's. A stop id ends
     the stream unyielded and unfed, so a chat's cache holds exactly the prompt and the answer.
-    ``images`` are the image spans of ``prompt_ids`` (see ``prefill``).
+    ``images`` are the image spans of ``prompt_ids`` (see ``prefill``); ``kv_quantization`` switches
+    the caches to quantized storage once they hold enough positions.
     """
     sampler = (sampling or SamplingOptions()).sampler()
     stop_ids = set(stop_ids)
@@ -117,7 +142,7 @@ def generate_tokens(
         return sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
 
     start = time.perf_counter()
-    y = sample(prefill(forward, prompt_ids, cache, prefill_step_size, images)[None])
+    y = sample(prefill(forward, prompt_ids, cache, prefill_step_size, images, kv_quantization)[None])
     mx.eval(y)
     stats.prompt_tokens = len(prompt_ids)
     stats.prompt_seconds = time.perf_counter() - start
@@ -134,6 +159,8 @@ def generate_tokens(
             if should_stop():
                 stats.finish_reason = "interrupted"
                 return
+            if kv_quantization is not None:
+                kv_quantization.apply(cache)
             next_y = sample(forward(y.reshape(1, 1), cache, last_only=True)[:, -1])
             mx.async_eval(next_y)
             stats.generation_tokens += 1

@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from cache import SharedView
 
-from .generate import DEFAULT_PREFILL_STEP, GenerationStats, SamplingOptions, generate_tokens
+from .generate import DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions, generate_tokens
 from .image_processor import DEFAULT_MAX_SOFT_TOKENS, Gemma4ImageProcessor, ImageInput, ProcessedImage
 from .image_prompt import Prompt, expand_image_placeholders
 
@@ -157,6 +157,7 @@ class Model:
         sampling: SamplingOptions | None = None,
         prefill_step_size: int = DEFAULT_PREFILL_STEP,
         should_stop=lambda: False,
+        kv_quantization: KVQuantization | None = None,
     ) -> Iterator[Chunk]:
         """Stream text as it is generated; no chunk ever splits a multi-byte character.
 
@@ -181,6 +182,7 @@ class Model:
             should_stop=should_stop,
             stats=stats,
             images=prompt.images,
+            kv_quantization=kv_quantization,
         ):
             detokenizer.add_token(token)
             yield Chunk(detokenizer.last_segment, token, stats)

@@ -183,3 +183,19 @@ def test_streaming_never_splits_a_multibyte_character(model):
     pieces.append(detokenizer.last_segment)
     assert all("\ufffd" not in piece for piece in pieces)
     assert "".join(pieces) == text
+
+
+def test_kv_bits_flags_quantize_the_cache(chat_checkpoint, model):
+    import subprocess
+
+    from models.generate import KVQuantization
+
+    flags = ["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0", "--max-tokens", "8"]
+    out = subprocess.run(
+        [sys.executable, "-m", "examples.chat", "--model", str(chat_checkpoint), "--prompt", "Hello", *flags],
+        capture_output=True, text=True, check=True,
+    )
+    session = ChatSession(model, max_tokens=8, kv_quantization=KVQuantization(8, 32, 0))
+    expected = "".join(session.send("Hello"))
+    assert out.stdout == expected + "\n"
+    assert all(c.codec.quantized for c in session.cache if hasattr(c, "codec"))
