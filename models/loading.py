@@ -24,14 +24,20 @@ def read_generation_config(folder: Path) -> dict:
         raise ValueError(f"{path}: invalid JSON ({err})") from err
 
 
-def load(name_or_path: str, dtype=None, tokenizer: bool = True) -> Model:
-    """Load a model by zoo name (``models.zoo.ZOO``), local folder or Hub repo id.
+def load(name_or_path: str, dtype=None, tokenizer: bool = True):
+    """Load a model by zoo name (``models.zoo.ZOO``), local folder or Hub repo id: a ``Model``, or a
+    ``DiffusionModel`` for DiffusionGemma checkpoints.
 
     ``dtype`` casts floating weights (default: keep the checkpoint's dtype). The tokenizer, with
     mlx-lm's streaming detokenizer, is attached unless ``tokenizer=False``.
     """
     folder = zoo_folder(str(name_or_path)) or resolve_model_path(str(name_or_path))
     config_dict = read_config(folder)
+    if config_dict.get("model_type") == "diffusion_gemma":
+        # Block diffusion is not autoregressive: its own model object and loop (models.diffusion_model).
+        from .diffusion_model import load_diffusion
+
+        return load_diffusion(folder, dtype=dtype, tokenizer=tokenizer)
     weights, _ = load_safetensors(folder, dtype=dtype)
     architecture = architecture_for(config_dict, str(folder / "config.json"), weights.keys())
     config = architecture.parse_config(config_dict)

@@ -165,3 +165,14 @@ def test_load_diffusion_image_prompt(checkpoint):
     assert result.sequences.shape == (1, len(prompt.ids) + 8)
     with pytest.raises(ValueError, match="placeholder"):
         model.prompt([2, 17], [picture])
+
+
+def test_models_load_dispatches_diffusion_checkpoints(tmp_path):
+    """``models.load`` hands a DiffusionGemma folder to its own loader and model object."""
+    import models
+    from models.diffusion_model import DiffusionModel
+    from tests.diffusion_tiny import save_diffusion
+
+    save_diffusion("T7", tmp_path)
+    model = models.load(str(tmp_path), tokenizer=False)
+    assert isinstance(model, DiffusionModel)
