@@ -73,14 +73,10 @@ class KVCache(AttentionCache):
         return rows(self.keys, 0, n + L), rows(self.values, 0, n + L)
 
 
-class QuantizedKVCache(KVCache):
-    """``KVCache`` on MLX affine-quantized storage (``bits`` 2-8, ``group_size`` 32/64/128 along
-    the head dim); the reads attend with quantized matmuls and never dequantize the history."""
+class QuantizedStorage:
+    """What the quantized caches add to their full-precision twins: the codec's settings."""
 
-    kind = "full-quantized"
-
-    def __init__(self, bits: int = 8, group_size: int = 64, step: int = 256):
-        super().__init__(step, codec=Quantized(bits, group_size))
+    codec: Quantized
 
     @property
     def bits(self) -> int:
@@ -90,12 +86,22 @@ class QuantizedKVCache(KVCache):
     def group_size(self) -> int:
         return self.codec.group_size
 
+    def to_quantized(self, bits: int = 8, group_size: int = 64):
+        raise ValueError(f"to_quantized: this cache is already quantized ({self.bits} bits, group {self.group_size})")
+
+
+class QuantizedKVCache(QuantizedStorage, KVCache):
+    """``KVCache`` on MLX affine-quantized storage (``bits`` 2-8, ``group_size`` 32/64/128 along
+    the head dim); the reads attend with quantized matmuls and never dequantize the history."""
+
+    kind = "full-quantized"
+
+    def __init__(self, bits: int = 8, group_size: int = 64, step: int = 256):
+        super().__init__(step, codec=Quantized(bits, group_size))
+
     @classmethod
     def _config_names(cls):
         return ("bits", "group_size", "step")
-
-    def to_quantized(self, bits: int = 8, group_size: int = 64):
-        raise ValueError(f"to_quantized: this cache is already quantized ({self.bits} bits, group {self.group_size})")
 
 
 def _copy_quantized(source: AttentionCache, twin: AttentionCache) -> None:

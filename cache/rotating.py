@@ -20,7 +20,7 @@ import mlx.core as mx
 
 from .base import AttentionCache, concat, rows, write_rows
 from .codecs import Quantized
-from .full import _copy_quantized
+from .full import QuantizedStorage, _copy_quantized
 
 
 class RotatingKVCache(AttentionCache):
@@ -140,7 +140,7 @@ class RotatingKVCache(AttentionCache):
         return concat(rows(self.keys, n - h, n), k), concat(rows(self.values, n - h, n), v)
 
 
-class RotatingQuantizedKVCache(RotatingKVCache):
+class RotatingQuantizedKVCache(QuantizedStorage, RotatingKVCache):
     """``RotatingKVCache`` on MLX affine-quantized storage: the same window, slack, trims and
     reads, attended with quantized matmuls (the history is never dequantized)."""
 
@@ -149,20 +149,9 @@ class RotatingQuantizedKVCache(RotatingKVCache):
     def __init__(self, window: int, bits: int = 8, group_size: int = 64, slack: int = 16, step: int = 256):
         super().__init__(window, slack, step, codec=Quantized(bits, group_size))
 
-    @property
-    def bits(self) -> int:
-        return self.codec.bits
-
-    @property
-    def group_size(self) -> int:
-        return self.codec.group_size
-
     @classmethod
     def _config_names(cls):
         return ("window", "bits", "group_size", "slack", "step")
 
     def _config(self) -> dict:
         return {**super()._config(), "bits": self.bits, "group_size": self.group_size}
-
-    def to_quantized(self, bits: int = 8, group_size: int = 64):
-        raise ValueError(f"to_quantized: this cache is already quantized ({self.bits} bits, group {self.group_size})")

@@ -115,6 +115,23 @@ class Driver:
         self.cache = cache_from_state(self.cache.state)
         self.check_invariants(after_write=0)
 
+    def program(self, ops):
+        """Run ``(op, n)`` steps drawn from ``OPS``."""
+        for op, n in ops:
+            if op == "decode":
+                for _ in range(n):
+                    self.write_read("decode", 1)
+            elif op in ("window", "vision_prefill", "encoder"):
+                self.write_read(op, n)
+            elif op == "canvas":
+                if self.ref.offset:
+                    self.canvas(n)
+            elif op == "trim":
+                if self.ref.offset:
+                    self.trim(min(n, self.ref.offset))
+            else:
+                self.restore()
+
     def check_invariants(self, after_write):
         c, ref = self.cache, self.ref
         assert c.offset == ref.offset
@@ -163,20 +180,7 @@ OPS = st.one_of(
 )
 def test_random_programs_match_dense_reference(window, slack, step, B, Hkv, groups, Dv, scale, seed, ops):
     run = Driver(window, slack, step, B, Hkv, groups, Dv, scale, seed)
-    for op, n in ops:
-        if op == "decode":
-            for _ in range(n):
-                run.write_read("decode", 1)
-        elif op in ("window", "vision_prefill", "encoder"):
-            run.write_read(op, n)
-        elif op == "canvas":
-            if run.ref.offset:
-                run.canvas(n)
-        elif op == "trim":
-            if run.ref.offset:
-                run.trim(min(n, run.ref.offset))
-        else:
-            run.restore()
+    run.program(ops)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -198,20 +202,7 @@ def test_quantized_caches_match_dense_reference_on_the_round_trip(window, slack,
     bits, group_size, dim = quant
     scale = sharpness * dim**-0.5
     run = Driver(window, slack, step, B, Hkv, groups, dim, scale, seed, bits=bits, group_size=group_size, D=dim)
-    for op, n in ops:
-        if op == "decode":
-            for _ in range(n):
-                run.write_read("decode", 1)
-        elif op in ("window", "vision_prefill", "encoder"):
-            run.write_read(op, n)
-        elif op == "canvas":
-            if run.ref.offset:
-                run.canvas(n)
-        elif op == "trim":
-            if run.ref.offset:
-                run.trim(min(n, run.ref.offset))
-        else:
-            run.restore()
+    run.program(ops)
 
 
 @pytest.mark.parametrize("window", [None, 5])
