@@ -7,6 +7,8 @@ the per-graph reads (``decode``, ``window``, ``vision_prefill``, ``encoder``, ``
 ``state`` / ``from_state``.
 """
 
+import zoo_blas  # noqa: F401  (first: loads a fast BLAS before anything imports MLX; see zoo_blas.py)
+
 from .base import AttentionCache, SharedView
 from .full import KVCache, QuantizedKVCache
 from .quantize import quantize_caches

@@ -6,6 +6,8 @@ checkpoint's ``model_type`` picks the architecture from ``registry.ARCHITECTURES
 
 from __future__ import annotations
 
+import zoo_blas  # noqa: F401  (first: loads a fast BLAS before anything imports MLX; see zoo_blas.py)
+
 from weights import ModelNotAvailableError
 
 from .loading import load
