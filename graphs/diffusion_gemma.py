@@ -37,7 +37,7 @@ from models.gemma4_config import SLIDING
 
 from .gemma4_text import DecoderLayer
 from .gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower, encode_images
-from .layers import RMSNorm, RoPE, gelu_gated
+from .layers import RMSNorm, RoPE, float_dtype, gelu_gated
 
 ENCODER_READ, CANVAS_READ = "encoder", "canvas"
 
@@ -162,9 +162,16 @@ class DiffusionGemmaModel(nn.Module):
 
         The softmax runs in float32 and is rounded to the embedding dtype before the product, as
         in the reference."""
-        weight = self.embed_tokens.weight
-        probs = mx.softmax(logits.astype(mx.float32), axis=-1).astype(weight.dtype)
-        return (probs @ weight) * self._embed_scale()
+        table = self.embed_tokens
+        probs = mx.softmax(logits.astype(mx.float32), axis=-1).astype(float_dtype(table))
+        if "scales" in table:  # a quantized table: the same product on the packed rows
+            expected = mx.quantized_matmul(
+                probs, table.weight, table.scales, table.get("biases"), transpose=False,
+                group_size=table.group_size, bits=table.bits, mode=table.mode,
+            )  # fmt: skip
+        else:
+            expected = probs @ table.weight
+        return expected * self._embed_scale()
 
     def embed(self, input_ids: mx.array) -> mx.array:
         """``E[ids] * sqrt(H)``, the scale cast to the weights' dtype first (bf16 rounds it, as the reference does)."""
@@ -178,7 +185,7 @@ class DiffusionGemmaModel(nn.Module):
 
     # ------------------------------------------------------------------------------ internals
     def _embed_scale(self) -> mx.array:
-        return mx.array(math.sqrt(self.config.text.hidden_size), dtype=self.embed_tokens.weight.dtype)
+        return mx.array(math.sqrt(self.config.text.hidden_size), dtype=float_dtype(self.embed_tokens))
 
     def _place_images(self, input_ids: mx.array, h: mx.array, features: Sequence[mx.array]) -> mx.array:
         B, L, H = h.shape

@@ -18,8 +18,9 @@ from mlx.utils import tree_flatten
 
 from cache import KVCache, RotatingKVCache
 from models.gemma3_config import SLIDING, Gemma3TextConfig
+from weights.quantize import is_quantized_entry, prepare_quantized
 
-from .layers import GeGLUMLP, RoPE
+from .layers import GeGLUMLP, RoPE, float_dtype
 
 # Where the text weights sit in each checkpoint layout, checked in this order ("model." is a prefix
 # of "model.language_model."): transformers Gemma3ForConditionalGeneration, mlx-vlm / older
@@ -157,7 +158,7 @@ class Gemma3TextModel(nn.Module):
 
     def embed(self, input_ids: mx.array) -> mx.array:
         """``E[ids] * sqrt(H)``, the scale cast to the weights' dtype first (bf16 rounds it, as the reference does)."""
-        scale = mx.array(math.sqrt(self.config.hidden_size), dtype=self.embed_tokens.weight.dtype)
+        scale = mx.array(math.sqrt(self.config.hidden_size), dtype=float_dtype(self.embed_tokens))
         return self.embed_tokens(input_ids) * scale
 
     def logits(self, h: mx.array) -> mx.array:
@@ -173,7 +174,8 @@ def map_gemma3_text_weights(weights: Mapping[str, mx.array], model: Gemma3TextMo
 
     The text weights are found under one of ``TEXT_PREFIXES``; a tied ``lm_head``, rotary buffers
     and the vision tower / projector of a multimodal checkpoint are dropped. Any other unexpected
-    key, a missing parameter or a shape mismatch raises ``ValueError`` naming the key.
+    key, a missing parameter or a shape mismatch raises ``ValueError`` naming the key. Packed
+    weights with ``.scales``/``.biases`` (MLX layouts) pass through; the loader quantizes those modules.
     """
     expected = {name: tuple(a.shape) for name, a in tree_flatten(model.parameters())}
     prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in weights), None)
@@ -183,10 +185,11 @@ def map_gemma3_text_weights(weights: Mapping[str, mx.array], model: Gemma3TextMo
         )
     mapped: dict[str, mx.array] = {}
     for key, value in weights.items():
-        if key in LM_HEAD_KEYS:
+        head = next((key[len(k) - len("weight") :] for k in LM_HEAD_KEYS if key.startswith(k.removesuffix("weight"))), None)
+        if head is not None:  # lm_head.weight (and, packed, lm_head.scales / .biases)
             if model.config.tie_word_embeddings:
                 continue
-            name = "lm_head.weight"
+            name = "lm_head." + head
         elif key.startswith(prefix):
             name = key[len(prefix) :]
             if "rotary_emb." in name:
@@ -195,9 +198,11 @@ def map_gemma3_text_weights(weights: Mapping[str, mx.array], model: Gemma3TextMo
             continue
         else:
             raise ValueError(f"gemma3 keys: unexpected key {key!r} (the text weights are under {prefix!r})")
-        if name not in expected:
+        if is_quantized_entry(name, value, expected):  # packed weight, scales or biases (MLX layouts)
+            pass
+        elif name not in expected:
             raise ValueError(f"gemma3 keys: unexpected key {key!r} (no parameter {name!r} in the graph)")
-        if tuple(value.shape) != expected[name]:
+        elif tuple(value.shape) != expected[name]:
             raise ValueError(
                 f"gemma3 keys: {key!r} has shape {list(value.shape)} in the checkpoint, "
                 f"the graph expects {list(expected[name])}"
@@ -211,4 +216,6 @@ def map_gemma3_text_weights(weights: Mapping[str, mx.array], model: Gemma3TextMo
 
 def load_gemma3_text_weights(model: Gemma3TextModel, weights: Mapping[str, mx.array]) -> None:
     """Map ``weights`` onto ``model`` and load them strictly (the registry's ``load_weights`` hook)."""
-    model.load_weights(list(map_gemma3_text_weights(weights, model).items()), strict=True)
+    mapped = map_gemma3_text_weights(weights, model)
+    prepare_quantized(model, mapped, "gemma3 keys")
+    model.load_weights(list(mapped.items()), strict=True)

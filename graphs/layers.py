@@ -77,6 +77,12 @@ class RoPE(nn.Module):
         )
 
 
+def float_dtype(module: nn.Module) -> mx.Dtype:
+    """The float dtype an embedding or linear computes in: a quantized one keeps it in its scales
+    (its weight is packed uint32)."""
+    return module["scales"].dtype if "scales" in module else module["weight"].dtype
+
+
 def gelu_gated(up: mx.array, gate: mx.array) -> mx.array:
     """GeGLU's gating with the tanh GELU (``gelu_pytorch_tanh``), in SwitchGLU's (up, gate) order."""
     return nn.gelu_approx(gate) * up

@@ -68,8 +68,6 @@ class DiffusionGemmaConfig:
     def from_dict(cls, raw: Mapping[str, Any]) -> "DiffusionGemmaConfig":
         if raw.get("model_type") != "diffusion_gemma":
             raise ValueError(f"DiffusionGemmaConfig: unsupported model_type {raw.get('model_type')!r}; expected 'diffusion_gemma'")
-        if raw.get("quantization") or raw.get("quantization_config"):
-            raise ValueError("DiffusionGemmaConfig: quantized checkpoints are not supported yet; use a float (bf16/fp32) one")
         if raw.get("tie_word_embeddings", True) is False:
             raise ValueError(
                 "DiffusionGemmaConfig: tie_word_embeddings=False unties the encoder from the decoder (two weight "

@@ -34,6 +34,8 @@ from typing import Iterator, Protocol, Sequence
 import mlx.core as mx
 import numpy as np
 
+from graphs.layers import float_dtype
+
 from .diffusion_config import DiffusionGenerationConfig
 
 DEFAULT_PREFILL_STEP = 512
@@ -303,7 +305,7 @@ def _denoise_block(model, cache, canvas, options, noise, rows_finished, passes, 
     stopper = StableAndConfident(options.stability_threshold, options.confidence_threshold)
     done = mx.zeros((B,), dtype=mx.bool_)
     argmax, self_conditioning = canvas, None
-    embed_dtype = model.embed_tokens.weight.dtype
+    embed_dtype = float_dtype(model.embed_tokens)
     step = 0
     for remaining in range(N, 0, -1):
         step += 1

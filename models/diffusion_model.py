@@ -16,6 +16,7 @@ from mlx_lm.tokenizer_utils import load as load_mlx_lm_tokenizer
 from graphs.diffusion_gemma import DiffusionGemmaModel
 from weights import load_safetensors, read_config, resolve_model_path
 from weights.diffusion_gemma_keys import load_diffusion_gemma_weights
+from weights.quantize import plan_load, quantize_model
 
 from .diffusion_config import DiffusionGemmaConfig, DiffusionGenerationConfig
 from .diffusion_generate import DEFAULT_PREFILL_STEP, CommittedBlock, DenoiseStep, DiffusionResult, Finished, stream_diffusion
@@ -113,17 +114,24 @@ class DiffusionModel:
         return self.tokenizer.decode([int(t) for t in tokens])
 
 
-def load_diffusion(name_or_path: str, dtype=None, tokenizer: bool = True) -> DiffusionModel:
+def load_diffusion(
+    name_or_path: str, dtype=None, tokenizer: bool = True, q_bits=None, q_group_size=None, q_policy=None
+) -> DiffusionModel:
     """Load a ``diffusion_gemma`` checkpoint (local folder or Hub repo id).
 
     ``dtype`` casts floating weights. The tokenizer is attached when the folder has one and
     ``tokenizer`` is True; without one, prompts are token ids and ``decode`` shows ids.
+    Quantization (pre-quantized checkpoints, ``q_bits`` / ``q_group_size`` / ``q_policy``) as in ``models.load``.
     """
     folder = resolve_model_path(str(name_or_path))
-    config = DiffusionGemmaConfig.from_dict(read_config(folder))
+    raw = read_config(folder)
+    config = DiffusionGemmaConfig.from_dict(raw)
     graph = DiffusionGemmaModel(config)
     weights, _ = load_safetensors(folder, dtype=dtype)
+    quantization = plan_load(raw, weights, str(folder / "config.json"), q_bits, q_group_size, q_policy)
     load_diffusion_gemma_weights(graph, weights)
+    if quantization is not None:
+        quantize_model(graph, quantization)
     graph.eval()
     generation_config = read_generation_config(folder)
     wrapper = None

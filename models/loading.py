@@ -8,6 +8,7 @@ from pathlib import Path
 from mlx_lm.tokenizer_utils import load as load_mlx_lm_tokenizer
 
 from weights import load_safetensors, read_config, resolve_model_path
+from weights.quantize import QuantizationPolicy, plan_load, quantize_model
 
 from .model import Model
 from .registry import architecture_for
@@ -24,12 +25,22 @@ def read_generation_config(folder: Path) -> dict:
         raise ValueError(f"{path}: invalid JSON ({err})") from err
 
 
-def load(name_or_path: str, dtype=None, tokenizer: bool = True):
+def load(
+    name_or_path: str,
+    dtype=None,
+    tokenizer: bool = True,
+    q_bits: int | None = None,
+    q_group_size: int | None = None,
+    q_policy: QuantizationPolicy | None = None,
+):
     """Load a model by zoo name (``models.zoo.ZOO``), local folder or Hub repo id: a ``Model``, or a
     ``DiffusionModel`` for DiffusionGemma checkpoints.
 
-    ``dtype`` casts floating weights (default: keep the checkpoint's dtype). The tokenizer, with
-    mlx-lm's streaming detokenizer, is attached unless ``tokenizer=False``.
+    ``dtype`` casts floating weights (default: keep the checkpoint's dtype; the scales of a
+    quantized checkpoint are floating too). The tokenizer, with mlx-lm's streaming detokenizer, is
+    attached unless ``tokenizer=False``. Pre-quantized MLX checkpoints load as stored; ``q_bits``
+    (4 or 8) and ``q_group_size`` (32, 64 or 128; default 64), or a whole ``q_policy``, quantize a
+    full-precision checkpoint on load (``docs/quantization.md``).
     """
     folder = zoo_folder(str(name_or_path)) or resolve_model_path(str(name_or_path))
     config_dict = read_config(folder)
@@ -37,12 +48,17 @@ def load(name_or_path: str, dtype=None, tokenizer: bool = True):
         # Block diffusion is not autoregressive: its own model object and loop (models.diffusion_model).
         from .diffusion_model import load_diffusion
 
-        return load_diffusion(folder, dtype=dtype, tokenizer=tokenizer)
+        return load_diffusion(
+            folder, dtype=dtype, tokenizer=tokenizer, q_bits=q_bits, q_group_size=q_group_size, q_policy=q_policy
+        )
     weights, _ = load_safetensors(folder, dtype=dtype)
+    quantization = plan_load(config_dict, weights, str(folder / "config.json"), q_bits, q_group_size, q_policy)
     architecture = architecture_for(config_dict, str(folder / "config.json"), weights.keys())
     config = architecture.parse_config(config_dict)
     graph = architecture.build_graph(config)
     architecture.load_weights(graph, weights)
+    if quantization is not None:
+        quantize_model(graph, quantization)
     graph.eval()
     generation_config = read_generation_config(folder)
     wrapper = None

@@ -171,12 +171,14 @@ def test_shape_mismatch_names_both_shapes():
            "the vision tower expects [2, 64, 32]" in _mapping_error(weights, tiny_config())  # fmt: skip
 
 
-def test_quantized_weights_are_refused_by_name():
+def test_stray_scales_are_refused_by_name():
+    """Scales that fit no weight of the tower (here: the wrong number of rows) are unexpected keys;
+    packed weights that do fit load quantized (tests/test_quantized_weights.py)."""
     weights = checkpoint(random_tower(tiny_config()), Gemma4MultimodalEmbedder(32, 64, 1e-6), "vision_tower.", "embed_vision.")
-    weights["vision_tower.encoder.layers.0.mlp.up_proj.linear.scales"] = mx.zeros((64, 1))
+    weights["vision_tower.encoder.layers.0.mlp.up_proj.linear.scales"] = mx.zeros((63, 1))
     assert _mapping_error(weights, tiny_config()) == (
-        "gemma4 vision keys: 'vision_tower.encoder.layers.0.mlp.up_proj.linear.scales' is a quantized weight; "
-        "the vision tower loads float weights only"
+        "gemma4 vision keys: unexpected key 'vision_tower.encoder.layers.0.mlp.up_proj.linear.scales' "
+        "(no parameter 'encoder.layers.0.mlp.up_proj.linear.scales' in the vision tower)"
     )
 
 

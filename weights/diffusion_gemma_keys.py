@@ -12,8 +12,10 @@ The text weights are stored once, under the decoder; the encoder contributes onl
 
 Dropped (logged at debug level): ``lm_head.weight`` and any other ``model.encoder.language_model.*``
 entry (both tied to the decoder's weights), rotary buffers. Anything else unexpected, anything
-missing and any shape mismatch raises ``ValueError`` naming the key; quantized weights
-(``.scales`` / ``.biases``) are refused by name.
+missing and any shape mismatch raises ``ValueError`` naming the key. MLX conversions may store any
+quantizable weight packed with ``.scales`` / ``.biases`` beside it (the experts too, as
+``experts.gate_up_proj.{weight,scales,biases}``, split like the float array); the loader swaps those
+modules for quantized ones (``weights.quantize``) before the strict load.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import mlx.core as mx
 
 from weights.gemma4_keys import parameter_shapes
 from weights.gemma4_vision_keys import map_gemma4_vision_weights
+from weights.quantize import is_quantized_entry, prepare_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +36,7 @@ DECODER_PREFIX = "model.decoder."
 ENCODER_TEXT_PREFIX = "model.encoder.language_model."
 VISION_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")
 _ENCODER_SCALAR = re.compile(r"layers\.(\d+)\.layer_scalar")
-_QUANTIZED = (".scales", ".biases")
+_EXPERT_SUFFIXES = (".weight", ".scales", ".biases")
 
 
 def map_diffusion_gemma_weights(weights: Mapping[str, mx.array], model) -> dict[str, mx.array]:
@@ -41,12 +44,12 @@ def map_diffusion_gemma_weights(weights: Mapping[str, mx.array], model) -> dict[
     expected = parameter_shapes(model)
     mapped: dict[str, mx.array] = {}
     for key, value in weights.items():
-        if key.endswith(_QUANTIZED):
-            raise ValueError(f"diffusion_gemma keys: {key!r} is a quantized weight; quantized checkpoints are not supported yet")
         for name, array in _text_entries(key, value):
-            if name not in expected:
+            if is_quantized_entry(name, array, expected):  # packed weight, scales or biases
+                pass
+            elif name not in expected:
                 raise ValueError(f"diffusion_gemma keys: unexpected key {key!r} (no parameter {name!r} in the graph)")
-            if tuple(array.shape) != tuple(expected[name]):
+            elif tuple(array.shape) != tuple(expected[name]):
                 raise ValueError(
                     f"diffusion_gemma keys: {key!r} gives {name!r} the shape {list(array.shape)}, "
                     f"the graph expects {list(expected[name])}"
@@ -72,7 +75,9 @@ def map_diffusion_gemma_weights(weights: Mapping[str, mx.array], model) -> dict[
 
 def load_diffusion_gemma_weights(model, weights: Mapping[str, mx.array]) -> None:
     """Map ``weights`` onto ``model`` (a ``DiffusionGemmaModel``) and load them strictly."""
-    model.load_weights(list(map_diffusion_gemma_weights(weights, model).items()), strict=True)
+    mapped = map_diffusion_gemma_weights(weights, model)
+    prepare_quantized(model, mapped, "diffusion_gemma keys")
+    model.load_weights(list(mapped.items()), strict=True)
 
 
 def _text_entries(key: str, value: mx.array) -> list[tuple[str, mx.array]]:
@@ -94,14 +99,17 @@ def _text_entries(key: str, value: mx.array) -> list[tuple[str, mx.array]]:
             f"diffusion_gemma keys: unexpected key {key!r} (the weights are under {DECODER_PREFIX!r}, "
             f"{ENCODER_TEXT_PREFIX!r} and {VISION_PREFIXES})"
         )
-    name = key[len(DECODER_PREFIX) :].removesuffix(".weight") if ".experts." in key else key[len(DECODER_PREFIX) :]
+    name = key[len(DECODER_PREFIX) :]
+    suffix = ".weight"  # transformers stores the expert arrays bare, mlx-vlm as modules (packed: + scales, biases)
+    if ".experts." in name and name.endswith(_EXPERT_SUFFIXES):
+        name, suffix = name.rsplit(".", 1)[0], "." + name.rsplit(".", 1)[1]
     if name.endswith(".experts.gate_up_proj"):
-        # [gate; up] along the output axis: rows [0, Im) gate, [Im, 2 Im) up.
+        # [gate; up] along the output axis: rows [0, Im) gate, [Im, 2 Im) up (packed rows split alike).
         if value.ndim != 3 or value.shape[1] % 2:
             raise ValueError(f"diffusion_gemma keys: {key!r} must be [experts, 2 * moe_intermediate, hidden], got {list(value.shape)}")
         base = name.removesuffix("gate_up_proj") + "switch_glu."
         gate, up = mx.split(value, 2, axis=1)
-        return [(base + "gate_proj.weight", mx.contiguous(gate)), (base + "up_proj.weight", mx.contiguous(up))]
+        return [(base + "gate_proj" + suffix, mx.contiguous(gate)), (base + "up_proj" + suffix, mx.contiguous(up))]
     if name.endswith(".experts.down_proj"):
-        return [(name.removesuffix("down_proj") + "switch_glu.down_proj.weight", value)]
-    return [(name, value)]
+        return [(name.removesuffix("down_proj") + "switch_glu.down_proj" + suffix, value)]
+    return [(key[len(DECODER_PREFIX) :], value)]

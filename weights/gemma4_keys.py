@@ -9,6 +9,10 @@ Accepted layouts (detected once per checkpoint, from its keys):
 | mlx-lm / mlx-vlm ``gemma4`` | ``language_model.model.`` | ``experts.switch_glu.{gate,up,down}_proj.*`` |
 | mlx-lm ``gemma4_text`` | ``model.`` | same |
 
+MLX layouts may store any quantizable weight packed, with ``.scales`` / ``.biases`` beside it
+(``weights.quantize``): those entries pass through under the same names, and the loader swaps the
+module for its quantized twin before the strict load checks their exact shapes.
+
 Only keys known to carry nothing the text graph uses are dropped (each logged at debug level): the
 k/v projections and norms of KV-shared layers, rotary buffers, a tied ``lm_head``, and the vision
 and audio towers and their embedders. Anything else unexpected, anything missing and any shape
@@ -25,6 +29,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from models.gemma4_config import Gemma4TextConfig
+from weights.quantize import is_quantized_entry, prepare_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +80,7 @@ def parameter_shapes(model) -> dict[str, tuple[int, ...]]:
 def load_gemma4_text_weights(model, weights: Mapping[str, mx.array]) -> None:
     """Map ``weights`` onto ``model`` (a ``Gemma4TextModel``) and load them strictly."""
     mapped = map_gemma4_text_weights(weights, model.config, parameter_shapes(model))
+    prepare_quantized(model, mapped, "gemma4 keys")
     model.load_weights(list(mapped.items()), strict=True)
 
 
@@ -123,6 +129,8 @@ def _rename(key: str, name: str, value: mx.array, expected: Mapping[str, Sequenc
         return [(gate_name, mx.contiguous(gate)), (up_name, mx.contiguous(up))]
     if name.endswith(".experts.down_proj"):
         name = name.removesuffix("down_proj") + "switch_glu.down_proj.weight"
+    if is_quantized_entry(name, value, expected):  # packed weight, scales or biases (MLX layouts)
+        return [(name, value)]
     _check_shape(key, tuple(value.shape), _expected_shape(key, name, expected))
     return [(name, value)]
 

@@ -15,7 +15,8 @@ Inside them: rotary buffers are dropped (recomputed), and so are clip bounds whe
 ``use_clipped_linears`` off (transformers ignores them too; finite ones are logged as a warning,
 since they would have changed the output). Anything else unexpected, anything missing and any
 shape mismatch raises ``ValueError`` naming the key and both shapes. Quantized vision weights
-(mlx-vlm ``.scales``/``.biases``) are refused by name: the tower loads float weights only.
+(an MLX conversion that quantized the tower: packed ``.weight`` with ``.scales``/``.biases``) load
+into quantized modules (``weights.quantize``); our own conversions keep the tower in full precision.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import mlx.core as mx
 
 from models.gemma4_vision_config import Gemma4VisionConfig
 from weights.gemma4_keys import parameter_shapes
+from weights.quantize import is_quantized_entry, prepare_quantized
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +38,6 @@ EMBEDDER_PREFIXES = ("model.embed_vision.", "model.encoder.embed_vision.", "embe
 _TOWER_MARKER = "patch_embedder.input_proj.weight"
 _EMBEDDER_MARKER = "embedding_projection.weight"
 _CLIP_BOUNDS = (".input_min", ".input_max", ".output_min", ".output_max")
-_QUANTIZED = (".scales", ".biases")
 
 
 def map_gemma4_vision_weights(
@@ -66,8 +67,10 @@ def load_gemma4_vision_weights(tower, embedder, weights: Mapping[str, mx.array])
     tower_weights, embedder_weights = map_gemma4_vision_weights(
         weights, tower.config, parameter_shapes(tower), embedder_expected
     )
+    prepare_quantized(tower, tower_weights, "gemma4 vision keys")
     tower.load_weights(list(tower_weights.items()), strict=True)
     if embedder is not None:
+        prepare_quantized(embedder, embedder_weights, "gemma4 vision keys")
         embedder.load_weights(list(embedder_weights.items()), strict=True)
 
 
@@ -94,8 +97,9 @@ def _map_part(
         name = key[len(prefix) :]
         if _dropped(key, name, value, config):
             continue
-        if name.endswith(_QUANTIZED):
-            raise ValueError(f"gemma4 vision keys: {key!r} is a quantized weight; the {part} loads float weights only")
+        if is_quantized_entry(name, value, expected):  # packed weight, scales or biases
+            mapped[name] = value
+            continue
         if name not in expected:
             raise ValueError(f"gemma4 vision keys: unexpected key {key!r} (no parameter {name!r} in the {part})")
         want = tuple(expected[name])
