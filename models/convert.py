@@ -1,0 +1,506 @@
+"""``python -m models.convert``: write an MLX checkpoint folder, quantized or not, from any zoo model.
+
+    python -m models.convert --model SRC --out DIR --q-bits 4 --q-group-size 64 [--dtype bfloat16]
+
+The source is anything ``models.load`` reads (zoo name, folder, Hub id; full precision, or an MLX
+conversion to re-save). It is loaded into our graph (so every key mapping and check applies),
+quantized under ``weights.quantize.QuantizationPolicy`` and written as:
+
+* ``model.safetensors`` or ``model-0000k-of-0000n.safetensors`` shards, always with
+  ``model.safetensors.index.json``; keys in the layout the MLX peers use for the architecture
+  (mlx-lm ``gemma4_text`` / ``gemma3_text``: ``model.*``; ``gemma4`` / ``gemma3``:
+  ``language_model.model.*`` with mlx-vlm's ``vision_tower.*`` / ``embed_vision.*``;
+  ``diffusion_gemma``: transformers' / mlx-vlm's ``model.decoder.*`` with fused ``experts.gate_up_proj``);
+* ``config.json``: the source's, plus the ``quantization`` entry (and its copy ``quantization_config``,
+  as mlx-lm writes) with per-module overrides keyed by the written module paths, plus the few flat
+  keys mlx-lm's Gemma classes read where transformers 5 writes another form (checked to parse to
+  the same config in our loader);
+* tokenizer files, chat template, generation config and licence/notice files, copied;
+* ``README.md``: a model card saying what was quantized, how, and what stayed in full precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import get_total_parameters
+
+from weights import load_safetensors, read_config, resolve_model_path
+from weights.quantize import (
+    LOAD_BITS,
+    LOAD_GROUP_SIZES,
+    CheckpointQuantization,
+    QuantizationPolicy,
+    QuantizationReport,
+    QuantParams,
+    plan_load,
+    quantize_model,
+    quantized_modules,
+    read_quantization,
+)
+
+from .zoo import zoo_folder
+
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD = "5GB"
+# Copied as they are when the source has them.
+COPIED_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "processor_config.json",
+    "preprocessor_config.json",
+)
+COPIED_PATTERNS = ("LICENSE*", "NOTICE*", "GEMMA_TERMS*", "*.upstream.md")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?B)?\s*$", re.IGNORECASE)
+_UNITS = {None: 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+
+
+@dataclass
+class ConversionResult:
+    """What ``convert`` wrote: the folder, the files, the sizes and the quantization decisions."""
+
+    out: Path
+    files: list[str]
+    total_bytes: int
+    parameters: int
+    quantization: dict[str, Any] | None
+    report: QuantizationReport | None
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.total_bytes / self.parameters
+
+
+# ---------------------------------------------------------------------------------------- key layouts
+class Layout:
+    """Our graph's parameter names -> the written checkpoint's keys (and module paths)."""
+
+    def __init__(self, key: Callable[[str], str]):
+        self._key = key
+
+    def key(self, name: str) -> str:
+        return self._key(name)
+
+    def module_path(self, path: str) -> str:
+        return self.key(path + ".weight").removesuffix(".weight")
+
+    def export(self, params: Mapping[str, mx.array]) -> dict[str, mx.array]:
+        return {self.key(name): value for name, value in params.items()}
+
+
+def _prefixed(text_prefix: str, head_prefix: str, graph_prefix: str = "") -> Callable[[str], str]:
+    """``graph_prefix + X`` -> ``text_prefix + X`` (``lm_head.*`` -> ``head_prefix + *``); other names unchanged."""
+
+    def key(name: str) -> str:
+        if not name.startswith(graph_prefix):
+            return name
+        inner = name[len(graph_prefix) :]
+        if inner.startswith("lm_head."):
+            return head_prefix + inner[len("lm_head.") :]
+        return text_prefix + inner
+
+    return key
+
+
+_EXPERT = re.compile(r"(layers\.\d+\.experts)\.switch_glu\.(gate|up|down)_proj\.(weight|scales|biases)")
+_ENCODER_SCALAR = re.compile(r"layers\.(\d+)\.encoder_layer_scalar")
+
+
+class DiffusionLayout(Layout):
+    """transformers' / mlx-vlm's ``diffusion_gemma`` keys: the decoder stack, the encoder's scalars, the
+    encoder's vision parts, and the experts fused back into ``gate_up_proj`` ([gate; up] along the
+    rows, which packed weights, scales and biases all split the same way)."""
+
+    def __init__(self):
+        super().__init__(self._diffusion_key)
+
+    @staticmethod
+    def _diffusion_key(name: str) -> str:
+        if (m := _ENCODER_SCALAR.fullmatch(name)) is not None:
+            return f"model.encoder.language_model.layers.{m.group(1)}.layer_scalar"
+        if name.startswith(("vision_tower.", "embed_vision.")):
+            return "model.encoder." + name
+        if (m := _EXPERT.fullmatch(name)) is not None:
+            fused = "gate_up" if m.group(2) in ("gate", "up") else "down"
+            return f"model.decoder.{m.group(1)}.{fused}_proj.{m.group(3)}"
+        return "model.decoder." + name
+
+    def export(self, params: Mapping[str, mx.array]) -> dict[str, mx.array]:
+        out: dict[str, mx.array] = {}
+        for name, value in params.items():
+            m = _EXPERT.fullmatch(name)
+            if m is None or m.group(2) == "down":
+                out[self.key(name)] = value
+            elif m.group(2) == "gate":
+                up = params[name.replace(".switch_glu.gate_proj.", ".switch_glu.up_proj.")]
+                out[self.key(name)] = mx.concatenate([value, up], axis=1)
+        return out
+
+
+def layout_for(model_type: str, graph: nn.Module) -> Layout:
+    from graphs.diffusion_gemma import DiffusionGemmaModel
+    from graphs.gemma4_multimodal import Gemma4MultimodalModel
+
+    if isinstance(graph, DiffusionGemmaModel):
+        return DiffusionLayout()
+    if isinstance(graph, Gemma4MultimodalModel):
+        return Layout(_prefixed("language_model.model.", "language_model.lm_head.", "language_model."))
+    if model_type in ("gemma4", "gemma3"):  # the text part of a multimodal config: mlx-lm's gemma4 / gemma3 layout
+        return Layout(_prefixed("language_model.model.", "language_model.lm_head."))
+    return Layout(_prefixed("model.", "lm_head."))
+
+
+# ---------------------------------------------------------------------------------------- config
+def mlx_lm_config(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``raw`` plus the flat keys mlx-lm's Gemma classes read where transformers 5 writes another form.
+
+    mlx-lm's ``gemma4_text`` reads ``global_head_dim`` / ``num_global_key_value_heads`` (transformers
+    writes ``per_layer_config``); its ``gemma3_text`` reads ``sliding_window_pattern``, ``rope_theta``,
+    ``rope_local_base_freq`` and ``rope_scaling`` (transformers writes ``layer_types`` and
+    ``rope_parameters``). Keys are added only when absent, and only when our parser reads the result
+    as the same config. Returns the config and the added keys.
+    """
+    config = json.loads(json.dumps(raw))
+    model_type = config.get("model_type")
+    text = config.get("text_config") if model_type in ("gemma4", "gemma3") else config
+    if not isinstance(text, dict):
+        return config, []
+    if model_type in ("gemma4", "gemma4_text"):
+        from .gemma4_config import FULL, Gemma4TextConfig
+
+        parse = Gemma4TextConfig.from_dict
+        before = parse(config)
+        full = [i for i, t in enumerate(before.layer_types) if t == FULL]
+        extra = {}
+        if full and len({before.layer_head_dims[i] for i in full}) == 1:
+            extra["global_head_dim"] = before.layer_head_dims[full[0]]
+        if full and before.attention_k_eq_v and len({before.layer_kv_heads[i] for i in full}) == 1:
+            extra["num_global_key_value_heads"] = before.layer_kv_heads[full[0]]
+    elif model_type in ("gemma3", "gemma3_text"):
+        from .gemma3_config import FULL, SLIDING, Gemma3TextConfig
+
+        parse = Gemma3TextConfig.from_dict
+        before = parse(config)
+        extra = {
+            "rope_theta": before.rope_parameters[FULL]["rope_theta"],
+            "rope_local_base_freq": before.rope_parameters[SLIDING]["rope_theta"],
+        }
+        if before.rope_parameters[FULL]["rope_type"] == "linear":
+            extra["rope_scaling"] = {"rope_type": "linear", "factor": before.rope_parameters[FULL]["factor"]}
+        pattern = _mlx_lm_pattern(before.layer_types, FULL)
+        if pattern is not None:
+            extra["sliding_window_pattern"] = pattern
+    else:
+        return config, []
+    added = [k for k in extra if text.get(k) is None]
+    for k in added:
+        text[k] = extra[k]
+    if added and parse(config) != before:
+        for k in added:
+            del text[k]
+        added = []
+    if text is not config and config.get("vocab_size") is None:
+        # mlx-lm's gemma4 / gemma3 ModelArgs overwrite text_config.vocab_size with the top-level one (default 262144 / 262208).
+        config["vocab_size"] = before.vocab_size
+        added.append("vocab_size")
+    return config, added
+
+
+def _mlx_lm_pattern(layer_types, full: str) -> int | None:
+    """The period p with layer i full iff ``i % p == p - 1`` (how mlx-lm's gemma3 places full layers), if any."""
+    for p in range(1, len(layer_types) + 1):
+        if all((t == full) == (i % p == p - 1) for i, t in enumerate(layer_types)):
+            return p
+    return None
+
+
+def quantization_entry(graph: nn.Module, layout: Layout, default: QuantParams) -> dict[str, Any]:
+    """The ``quantization`` config entry of ``graph`` under the written module paths.
+
+    Modules quantized with other params than ``default`` get an override (the router at 8 bits,
+    embeddings under ``embed_bits``); modules left in full precision need none (no ``.scales``).
+    """
+    entry: dict[str, Any] = {"group_size": default.group_size, "bits": default.bits, "mode": default.mode}
+    for path, params in quantized_modules(graph).items():
+        written = layout.module_path(path)
+        if params == default:
+            continue
+        if written in entry and entry[written] != params.config_entry():
+            raise ValueError(f"convert: {written!r} would need two quantizations ({entry[written]} and {params.config_entry()})")
+        entry[written] = params.config_entry()
+    return entry
+
+
+# ---------------------------------------------------------------------------------------- loading
+def load_graph(folder: Path, raw: dict, dtype, q_bits, q_group_size, q_policy):
+    """Our graph for ``folder``, loaded (and quantized on load when asked): ``(graph, report)``."""
+    weights, _ = load_safetensors(folder, dtype=dtype)
+    policy = plan_load(raw, weights, str(folder / "config.json"), q_bits, q_group_size, q_policy)
+    if raw.get("model_type") == "diffusion_gemma":
+        from graphs.diffusion_gemma import DiffusionGemmaModel
+        from weights.diffusion_gemma_keys import load_diffusion_gemma_weights
+
+        from .diffusion_config import DiffusionGemmaConfig
+
+        graph = DiffusionGemmaModel(DiffusionGemmaConfig.from_dict(raw))
+        load_diffusion_gemma_weights(graph, weights)
+    else:
+        from .registry import architecture_for
+
+        architecture = architecture_for(raw, str(folder / "config.json"), weights.keys())
+        graph = architecture.build_graph(architecture.parse_config(raw))
+        architecture.load_weights(graph, weights)
+    del weights
+    report = quantize_model(graph, policy) if policy is not None else None
+    graph.eval()
+    return graph, report
+
+
+# ---------------------------------------------------------------------------------------- writing
+def parse_size(text: str | int) -> int:
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ValueError(f"convert: cannot read the shard size {text!r} (e.g. 5GB, 500MB, 100KB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper() if m.group(2) else None])
+
+
+def write_shards(out: Path, tensors: Mapping[str, mx.array], max_shard_bytes: int) -> list[str]:
+    """Shards of at most ``max_shard_bytes`` (a larger tensor gets one of its own) and the index."""
+    shards: list[dict[str, mx.array]] = []
+    size = 0
+    for key in sorted(tensors):
+        value = tensors[key]
+        if not shards or (size + value.nbytes > max_shard_bytes and shards[-1]):
+            shards.append({})
+            size = 0
+        shards[-1][key] = value
+        size += value.nbytes
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        mx.save_safetensors(str(out / name), shard, metadata={"format": "mlx"})
+        weight_map.update({key: name for key in shard})
+    index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return names + [INDEX_FILE]
+
+
+def copy_side_files(source: Path, out: Path) -> list[str]:
+    copied = []
+    names = [n for n in COPIED_FILES if (source / n).is_file()]
+    for pattern in COPIED_PATTERNS:
+        names += sorted(p.name for p in source.glob(pattern) if p.is_file() and p.name not in names)
+    for name in names:
+        shutil.copyfile(source / name, out / name)
+        copied.append(name)
+    return copied
+
+
+# ---------------------------------------------------------------------------------------- convert
+def convert(
+    model: str,
+    out: str | Path,
+    q_bits: int | None = None,
+    q_group_size: int | None = None,
+    dtype: str | None = None,
+    q_policy: QuantizationPolicy | None = None,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD,
+    overwrite: bool = False,
+) -> ConversionResult:
+    """Convert ``model`` into an MLX folder at ``out`` (see the module docstring); returns what was written."""
+    start = time.perf_counter()
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"convert: {out} exists and is not empty (pass overwrite=True / --overwrite to replace it)")
+    folder = zoo_folder(str(model)) or resolve_model_path(str(model))
+    if out.resolve() == folder.resolve():
+        raise ValueError(f"convert: the output folder {out} is the source folder")
+    raw = read_config(folder)
+    stored = read_quantization(raw, str(folder / "config.json"))
+    graph, report = load_graph(folder, raw, dtype, q_bits, q_group_size, q_policy)
+    layout = layout_for(raw.get("model_type"), graph)
+
+    params = dict(tree_flatten(graph.parameters()))
+    tensors = layout.export(params)
+    config, added = mlx_lm_config(raw)
+    for key in ("quantization", "quantization_config"):
+        config.pop(key, None)
+    entry = None
+    default = report.policy.default if report is not None else (stored.default if stored is not None else None)
+    if default is not None and quantized_modules(graph):
+        entry = quantization_entry(graph, layout, default)
+        config["quantization"] = entry
+        config["quantization_config"] = entry
+    if dtype is not None:
+        config["dtype"] = str(dtype)
+
+    if out.exists() and overwrite:
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    files = write_shards(out, tensors, parse_size(max_shard_size))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    files += ["config.json"] + copy_side_files(folder, out)
+    total = sum(v.nbytes for v in tensors.values())
+    result = ConversionResult(
+        out, files, total, get_total_parameters(graph), entry, report, time.perf_counter() - start,
+        notes=_notes(config, added),
+    )  # fmt: skip
+    (out / "README.md").write_text(model_card(str(model), raw, graph, layout, result, stored))
+    result.files.append("README.md")
+    return result
+
+
+def _notes(config: Mapping[str, Any], added: list[str]) -> list[str]:
+    notes = []
+    if added:
+        notes.append(f"Added for mlx-lm (same model in our loader): {', '.join(added)}.")
+    text = config.get("text_config") if config.get("model_type") in ("gemma4", "gemma3") else config
+    text = text or {}
+    model_type = config.get("model_type")
+    if model_type == "diffusion_gemma":
+        notes.append("mlx-lm has no DiffusionGemma; mlx-vlm's diffusion_gemma reads this layout (not tested here: mlx-vlm is not installed).")
+    elif model_type == "gemma4" and config.get("vision_config"):
+        notes.append("mlx-lm loads the text model of this folder (it drops the vision tower); mlx-vlm's gemma4 reads the "
+                     "whole layout (not tested here: mlx-vlm is not installed).")  # fmt: skip
+    if text.get("attention_bias"):
+        notes.append("attention_bias is set: mlx-lm's Gemma classes have no attention biases and cannot load this folder.")
+    if text.get("use_bidirectional_attention") == "all":
+        notes.append("use_bidirectional_attention='all': mlx-lm runs it causally (different outputs).")
+    if model_type in ("gemma3", "gemma3_text") and text.get("final_logit_softcapping"):
+        notes.append("final_logit_softcapping is set: mlx-lm's gemma3_text does not apply it (different outputs).")
+    if model_type in ("gemma3", "gemma3_text") and text.get("sliding_window_pattern") is None:
+        notes.append("layer_types has no fixed period: mlx-lm's gemma3_text cannot place the full-attention layers.")
+    return notes
+
+
+def model_card(source: str, raw: Mapping[str, Any], graph: nn.Module, layout: Layout, result: ConversionResult,
+               stored: CheckpointQuantization | None) -> str:  # fmt: skip
+    """README.md: provenance, what was quantized and how, what stayed in full precision, how to load."""
+    lines = ["---", "library_name: mlx", "tags:", "- mlx", "- gemma-mlx-zoo"]
+    if result.quantization:
+        lines.append("- quantized")
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", source) and not Path(source).exists():
+        lines.append(f"base_model: {source}")
+    lines += ["---", "", f"# {result.out.name}", ""]
+    lines.append(
+        f"Converted with `python -m models.convert` (gemma-mlx-zoo) from `{source}` "
+        f"(`model_type` {raw.get('model_type')!r}, graph `{type(graph).__name__}`)."
+    )
+    lines += ["", "## Quantization", ""]
+    quantized = quantized_modules(graph)
+    scale_dtypes = sorted({str(m.scales.dtype).removeprefix("mlx.core.") for _, m in _quantized_leaves(graph)})
+    if not quantized:
+        lines.append("None: every weight is stored in full precision.")
+    else:
+        entry = result.quantization or {}
+        lines.append(
+            f"Default: {entry.get('bits')}-bit {entry.get('mode', 'affine')} quantization in groups of "
+            f"{entry.get('group_size')} along each weight's input axis, MLX's packed format (uint32 weights "
+            f"with `.scales` and `.biases` in {', '.join(scale_dtypes)})."
+        )
+        if result.report is None and stored is not None:
+            lines.append("The source was already quantized; its packed weights are written as they were.")
+        lines += ["", "| kind | layers | quantization |", "|---|---|---|"]
+        kinds = Counter()
+        for path, params in quantized.items():
+            kind = result.report.quantized[path][1] if result.report and path in result.report.quantized else _kind(path)
+            kinds[(kind, str(params))] += 1
+        for (kind, params), count in sorted(kinds.items()):
+            lines.append(f"| {kind} | {count} | {params} |")
+        kept = result.report.kept if result.report else {}
+        if kept:
+            lines += ["", "Kept in full precision:", ""]
+            reasons = Counter(kept.values())
+            for reason, count in sorted(reasons.items()):
+                example = next(layout.module_path(p) for p, r in kept.items() if r == reason)
+                lines.append(f"- {count} layer(s), {reason} (e.g. `{example}`)")
+        lines += ["", "Norms, layer scalars and the router's scales are vectors and are stored as they are.",
+                  "Per-module exceptions are listed under their written paths in `config.json` → `quantization`."]  # fmt: skip
+    lines += ["", "## Size", "", f"{result.total_bytes / 1e6:.1f} MB of weights, {result.parameters / 1e6:.1f} M parameters, "
+              f"{result.bits_per_weight:.2f} bits per weight."]  # fmt: skip
+    if result.notes:
+        lines += ["", "## Compatibility", ""] + [f"- {n}" for n in result.notes]
+    lines += ["", "## Use", "", "```python", "import models", "", f'model = models.load("{result.out}")', "```", ""]
+    lines += ["On CPU, MLX's quantized matmul is much faster with float32 scales than with bfloat16 ones:",
+              '`models.load(path, dtype="float32")` casts the scales (the packed weights stay packed).', ""]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _quantized_leaves(graph: nn.Module):
+    return [(p, m) for p, m in tree_flatten(graph.leaf_modules(), is_leaf=nn.Module.is_module) if "scales" in m]
+
+
+def _kind(path: str) -> str:
+    if path.endswith("router.proj"):
+        return "router"
+    if "embed" in path.split(".")[-1] or path.endswith("lm_head"):
+        return "embedding"
+    return "experts" if "switch_glu" in path else "linear"
+
+
+# ---------------------------------------------------------------------------------------- CLI
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m models.convert", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a zoo name, a local folder or a Hub repo id")
+    p.add_argument("--out", required=True, help="the folder to write (must not exist or be empty)")
+    p.add_argument("--q-bits", type=int, choices=LOAD_BITS, help="quantize the weights to this many bits")
+    p.add_argument("--q-group-size", type=int, choices=LOAD_GROUP_SIZES, help="quantization group size (default 64)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast floating weights (and so the scales) first")
+    p.add_argument("--embed-bits", type=int, choices=LOAD_BITS, help="bits for the embeddings and the LM head (default: --q-bits)")
+    p.add_argument("--quantize-vision", action="store_true", help="quantize the vision tower too (default: full precision)")
+    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD, help="largest shard file (default 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    args = p.parse_args(argv)
+    policy = None
+    if args.q_bits is not None and (args.embed_bits is not None or args.quantize_vision):
+        policy = QuantizationPolicy(args.q_bits, args.q_group_size or 64, embed_bits=args.embed_bits, quantize_vision=args.quantize_vision)
+    elif args.q_bits is None and (args.embed_bits is not None or args.quantize_vision or args.q_group_size is not None):
+        p.error("--q-group-size, --embed-bits and --quantize-vision need --q-bits")
+    try:
+        result = convert(
+            args.model, args.out,
+            q_bits=None if policy else args.q_bits, q_group_size=None if policy else args.q_group_size,
+            dtype=args.dtype, q_policy=policy, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
+        )  # fmt: skip
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    q = result.quantization
+    what = f"{q['bits']}-bit, group {q['group_size']}" if q else "not quantized"
+    print(
+        f"wrote {result.out}: {len(result.files)} files, {result.total_bytes / 1e6:.1f} MB "
+        f"({result.bits_per_weight:.2f} bits per weight, {what}) in {result.seconds:.1f} s"
+    )
+    for note in result.notes:
+        print(f"note: {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""``python -m models.convert`` on tiny checkpoints: the written folder (shards, index, config entry,
+side files, model card) loads back identically, loads in mlx-lm for ``gemma4_text`` / ``gemma3_text``
+(and the text part of ``gemma4``) with the same logits, and keeps every architecture's own layout."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import models  # noqa: E402
+from models.convert import convert, main, mlx_lm_config  # noqa: E402
+from tests import diffusion_tiny, hf_tiny  # noqa: E402
+from tests import quant_tiny as qt  # noqa: E402
+from weights.quantize import QuantizationPolicy, QuantParams, quantized_modules  # noqa: E402
+
+GEMMA3_BASE = dict(
+    vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=6, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2, max_position_embeddings=512,
+    initializer_range=0.1, pad_token_id=0, bos_token_id=2, eos_token_id=1,
+)  # fmt: skip
+GEMMA3 = {"base": GEMMA3_BASE, "untied": dict(GEMMA3_BASE, tie_word_embeddings=False)}
+
+
+def _gemma3(name, folder):
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**GEMMA3[name])).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("convert_src")
+    for name in ("T1", "T3", "E2B_like", "T1_bias_untied"):
+        hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS[name], root / name)
+    for name in GEMMA3:
+        _gemma3(name, root / f"gemma3_{name}")
+    hf_tiny.save_conditional_generation(root / "T5")
+    diffusion_tiny.save_diffusion("T7", root / "T7")
+    qt.write_side_files(root / "T1")
+    return root
+
+
+def _logits(folder, ids, **kwargs):
+    return np.array(models.load(str(folder), tokenizer=False, **kwargs).logits(ids))
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (8, 64)])
+def test_written_folder(sources, tmp_path, bits, group_size):
+    out = tmp_path / "out"
+    result = convert(str(sources / "T1"), out, q_bits=bits, q_group_size=group_size, max_shard_size="60KB")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all((out / s).is_file() for s in shards)
+    assert set(index["weight_map"]) == {k for s in shards for k in mx.load(str(out / s))}
+    assert index["weight_map"]["model.layers.0.mlp.up_proj.scales"].startswith("model-0000")
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization"] == config["quantization_config"] == {"group_size": group_size, "bits": bits, "mode": "affine"}
+    source_config = json.loads((sources / "T1" / "config.json").read_text())
+    assert {k: v for k, v in config.items() if k in source_config} == source_config
+    (tmp_path / "expected").mkdir()
+    for name, data in qt.write_side_files(tmp_path / "expected").items():
+        assert (out / name).read_bytes() == data
+    assert (out / "generation_config.json").read_text() == (sources / "T1" / "generation_config.json").read_text()
+    card = (out / "README.md").read_text()
+    assert f"Default: {bits}-bit affine quantization in groups of {group_size}" in card
+    assert "| embedding | 1 |" in card and "library_name: mlx" in card
+    assert result.total_bytes == sum((out / s).stat().st_size for s in shards) - _headers(out, shards)
+
+
+def _headers(out, shards):
+    import struct
+
+    return sum(8 + struct.unpack("<Q", (out / s).read_bytes()[:8])[0] for s in shards)
+
+
+@pytest.mark.parametrize("name", ["T1", "T3", "E2B_like", "gemma3_base", "gemma3_untied", "T5"])
+def test_converted_folder_loads_back_identically(sources, tmp_path, name):
+    out = tmp_path / "out"
+    convert(str(sources / name), out, q_bits=4, q_group_size=32)
+    ids = qt.token_ids(0, 24, 256)
+    loaded = models.load(str(out), tokenizer=False)
+    on_load = models.load(str(sources / name), tokenizer=False, q_bits=4, q_group_size=32)
+    assert quantized_modules(loaded.graph) == quantized_modules(on_load.graph)
+    assert np.array_equal(np.array(loaded.logits(ids)), np.array(on_load.logits(ids)))
+
+
+@pytest.mark.parametrize("name", ["T1", "T3", "E2B_like", "gemma3_base", "gemma3_untied", "T5"])
+@pytest.mark.parametrize("bits, group_size", [(4, 64), (8, 32)])
+def test_mlx_lm_loads_the_converted_folder(sources, tmp_path, name, bits, group_size):
+    from mlx_lm.utils import load_model
+
+    out = tmp_path / "out"
+    result = convert(str(sources / name), out, q_bits=bits, q_group_size=group_size)
+    theirs, _ = load_model(out)
+    ids = qt.token_ids(1, 24, 256)
+    ours = np.array(models.load(str(out), tokenizer=False).logits(ids))
+    assert np.abs(np.array(theirs(mx.array(ids))) - ours).max() < 1e-4
+    assert any("Added for mlx-lm" in note for note in result.notes)
+
+
+def test_mlx_lm_config_keys_do_not_change_our_config(sources):
+    from models.gemma3_config import Gemma3TextConfig
+    from models.gemma4_config import Gemma4TextConfig
+
+    for name, parse, keys in [
+        ("T3", Gemma4TextConfig.from_dict, {"global_head_dim": 64, "num_global_key_value_heads": 1}),
+        ("gemma3_base", Gemma3TextConfig.from_dict, {"sliding_window_pattern": 3, "rope_theta": 1e6, "rope_local_base_freq": 1e4}),
+    ]:
+        raw = json.loads((sources / name / "config.json").read_text())
+        written, added = mlx_lm_config(raw)
+        assert {k: written[k] for k in keys} == keys and set(keys) <= set(added)
+        assert parse(written) == parse(raw)
+
+
+def test_incompatibilities_are_noted(sources, tmp_path):
+    result = convert(str(sources / "T1_bias_untied"), tmp_path / "out", q_bits=4)
+    assert any("attention_bias" in note for note in result.notes)
+    assert "attention_bias" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_diffusion_gemma_layout_and_reload(sources, tmp_path):
+    out = tmp_path / "out"
+    convert(str(sources / "T7"), out, q_bits=4, q_group_size=32)
+    keys = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert {"model.decoder.layers.0.experts.gate_up_proj.weight", "model.decoder.layers.0.experts.gate_up_proj.scales",
+            "model.decoder.layers.0.experts.down_proj.biases", "model.encoder.language_model.layers.0.layer_scalar",
+            "model.encoder.vision_tower.patch_embedder.input_proj.weight"} <= set(keys)  # fmt: skip
+    assert not any("switch_glu" in k for k in keys)
+    weights = mx.load(str(out / "model.safetensors"))
+    assert weights["model.decoder.layers.0.experts.gate_up_proj.weight"].shape == (4, 64, 64 * 4 // 32)
+    assert weights["model.encoder.vision_tower.patch_embedder.input_proj.weight"].dtype == mx.float32
+    loaded = models.load(str(out), tokenizer=False)
+    on_load = models.load(str(sources / "T7"), tokenizer=False, q_bits=4, q_group_size=32)
+    assert quantized_modules(loaded.graph) == quantized_modules(on_load.graph)
+    a = loaded.generate([5, 6, 7], seed=0, max_new_tokens=8, max_denoising_steps=3)
+    b = on_load.generate([5, 6, 7], seed=0, max_new_tokens=8, max_denoising_steps=3)
+    assert np.array_equal(np.array(a.sequences), np.array(b.sequences))
+
+
+def test_policy_options_are_recorded_per_module(sources, tmp_path):
+    out = tmp_path / "out"
+    convert(str(sources / "T3"), out, q_policy=QuantizationPolicy(4, 64, embed_bits=8))
+    entry = json.loads((out / "config.json").read_text())["quantization"]
+    assert entry["model.embed_tokens"] == {"group_size": 64, "bits": 8}
+    assert entry["model.layers.0.router.proj"] == {"group_size": 64, "bits": 8}
+    assert "model.layers.0.mlp.up_proj" not in entry  # the default
+    card = (out / "README.md").read_text()
+    assert "input dim 32 is smaller than one group of 64" in card  # the experts' down projection
+    quantized = quantized_modules(models.load(str(out), tokenizer=False).graph)
+    assert quantized["embed_tokens"] == QuantParams(8, 64) and "layers.0.experts.switch_glu.down_proj" not in quantized
+
+
+def test_dtype_and_resaving_a_quantized_folder(sources, tmp_path):
+    first = tmp_path / "bf16"
+    convert(str(sources / "T1"), first, q_bits=4, dtype="bfloat16")
+    weights = mx.load(str(first / "model.safetensors"))
+    assert weights["model.layers.0.mlp.up_proj.scales"].dtype == mx.bfloat16
+    assert "bfloat16" in (first / "README.md").read_text()
+    again = tmp_path / "again"
+    convert(str(first), again)  # no q_bits: written as it is
+    assert json.loads((again / "config.json").read_text())["quantization"]["bits"] == 4
+    second = mx.load(str(again / "model.safetensors"))
+    assert set(second) == set(weights) and all(mx.array_equal(second[k], weights[k]) for k in weights)
+    with pytest.raises(ValueError, match="already quantized"):
+        convert(str(first), tmp_path / "requantized", q_bits=8)
+
+
+def test_cli(sources, tmp_path, capsys):
+    out = tmp_path / "cli"
+    assert main(["--model", str(sources / "T1"), "--out", str(out), "--q-bits", "8", "--q-group-size", "32"]) == 0
+    assert "8-bit, group 32" in capsys.readouterr().out
+    assert main(["--model", str(sources / "T1"), "--out", str(out), "--q-bits", "4"]) == 1
+    assert "exists and is not empty" in capsys.readouterr().err
+    assert main(["--model", str(sources / "T1"), "--out", str(out), "--q-bits", "4", "--overwrite"]) == 0
+    with pytest.raises(SystemExit):
+        main(["--model", str(sources / "T1"), "--out", str(tmp_path / "x"), "--q-bits", "3"])
+    with pytest.raises(SystemExit):
+        main(["--model", str(sources / "T1"), "--out", str(tmp_path / "x"), "--embed-bits", "8"])
