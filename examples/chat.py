@@ -50,7 +50,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP)
     p.add_argument("--max-soft-tokens", type=int, choices=SUPPORTED_SOFT_TOKEN_BUDGETS, default=DEFAULT_MAX_SOFT_TOKENS,
                    help="soft tokens per image (more = finer detail, longer prompt)")  # fmt: skip
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights on load")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="weights' dtype: auto (default) picks per device: float32 on a CPU with a fast BLAS, "
+                        "the checkpoint's dtype on a GPU; --verbose says which")  # fmt: skip
     p.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 5, 6, 8], default=None,
                    help="store the KV cache quantized to this many bits (default: full precision)")  # fmt: skip
     p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
@@ -79,10 +81,26 @@ def kv_quantization_from_args(args: argparse.Namespace) -> KVQuantization:
 def load_model(args: argparse.Namespace):
     """The model, or None after printing why it cannot be loaded (not available, not a checkpoint, damaged)."""
     try:
-        return models.load(args.model, dtype=args.dtype)
+        model = models.load(args.model, dtype=args.dtype)
     except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
+    if getattr(args, "verbose", False):
+        print(f"[{describe_setup(model)}]", file=sys.stderr, flush=True)
+    return model
+
+
+def describe_setup(model) -> str:
+    """What ``--verbose`` says about the compute: device, BLAS, precision, what loading changed for the device."""
+    import mlx.core as mx
+    import zoo_blas
+
+    parts = [f"device: {mx.default_device()}", zoo_blas.describe()]
+    precision = getattr(model, "precision", None)
+    if precision is not None:
+        parts.append(precision.describe())
+    parts += getattr(model, "device_notes", [])
+    return " | ".join(parts)
 
 
 @contextmanager

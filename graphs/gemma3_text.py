@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from cache import KVCache, RotatingKVCache
+from models.fused import norm_rope
 from models.gemma3_config import SLIDING, Gemma3TextConfig
 from weights.quantize import is_quantized_entry, prepare_quantized
 
@@ -86,8 +87,9 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, cache, offset: int) -> mx.array:
         B, L, _ = x.shape
         heads = lambda t, n: t.reshape(B, L, n, self.head_dim).transpose(0, 2, 1, 3)  # noqa: E731
-        q = self.rope(self.q_norm(heads(self.q_proj(x), self.num_heads)), offset)
-        k = self.rope(self.k_norm(heads(self.k_proj(x), self.num_kv_heads)), offset)
+        # rope(norm(.)) of queries and keys, compiled for decode (models.fused: same ops, fewer graph nodes)
+        q = norm_rope(heads(self.q_proj(x), self.num_heads), self.q_norm, self.rope, offset, plus_one=True)
+        k = norm_rope(heads(self.k_proj(x), self.num_kv_heads), self.k_norm, self.rope, offset, plus_one=True)
         v = heads(self.v_proj(x), self.num_kv_heads)
         read = cache.decode if L == 1 else cache.window
         out = read(q, k, v, scale=self.scale)

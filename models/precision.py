@@ -1,0 +1,294 @@
+"""The compute-precision policy: which float dtype a loaded model's weights are held and computed in.
+
+``models.load(..., dtype="auto")`` (the default) asks ``choose()``:
+
+- **GPU** (Metal, CUDA): the checkpoint's dtype, as before (bf16 stays bf16).
+- **CPU with a fast BLAS** (``zoo_blas``: MKL or OpenBLAS on Linux, Accelerate on macOS): float32.
+  MLX's CPU matmuls reach the BLAS only in float32 (one ``cblas_sgemm`` per product); bf16 and
+  fp16 products run MLX's own loops at 2-4 GB/s, so a bf16 checkpoint is upcast on load. Measured
+  on the 2-core reference box (``docs/speed.md``): fp32 decodes ~5x and prefills ~20x faster than
+  bf16 on the real Gemma 3 270M.
+- **CPU with MLX's bundled reference BLAS** (``GEMMA_ZOO_BLAS=off``, or no fast BLAS installed):
+  the checkpoint's dtype. There the reference sgemm is slower than MLX's bf16 loops.
+
+Upcasting doubles what the float weights take, so tables the model only *gathers rows from*
+(Gemma 4's per-layer embeddings, 2.3 G of E2B's parameters) keep the checkpoint's dtype: their
+rows are cast as they are read. And when the upcast model would not fit in half of the machine's
+memory, the checkpoint's dtype is kept and the reason stated. Quantized weights (integer tensors)
+are never touched here; their scales follow ``models.quantized_cpu``.
+
+An explicit ``dtype`` ("float32", "bfloat16", "float16") casts every float weight, as before;
+``dtype=None`` keeps the checkpoint's dtypes untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import zoo_blas  # noqa: F401  (before mlx)
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map_with_path
+
+AUTO = "auto"
+# Parameters only ever gathered from (never a matmul operand): kept in the checkpoint's dtype.
+GATHER_ONLY = ("embed_tokens_per_layer",)
+# Upcast only when the upcast weights take at most this share of physical memory.
+MEMORY_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What ``load`` does with float weights: cast to ``dtype`` (None: keep), except ``keep``."""
+
+    dtype: mx.Dtype | None
+    reason: str
+    keep: tuple[str, ...] = field(default=())
+    auto: bool = False  # chosen by the policy (``dtype="auto"``), not asked for
+
+    def describe(self) -> str:
+        """One line for ``--verbose``."""
+        name = "checkpoint dtype" if self.dtype is None else str(self.dtype).removeprefix("mlx.core.")
+        return f"precision: {name} ({self.reason})"
+
+
+def fast_cpu_blas() -> bool:
+    """True where MLX's float32 CPU matmuls go through a fast BLAS."""
+    if sys.platform == "darwin":
+        return True  # Accelerate
+    return bool(zoo_blas.info()["loaded"])
+
+
+def on_cpu() -> bool:
+    return mx.default_device().type == mx.cpu
+
+
+def choose(dtype=AUTO, weights: Mapping[str, mx.array] | None = None) -> Precision:
+    """The precision for a model whose checkpoint tensors are ``weights`` (only sizes and dtypes are read)."""
+    if dtype is None:
+        return Precision(None, "dtype=None: the checkpoint's dtypes")
+    if dtype != AUTO:
+        from weights import parse_dtype
+
+        return Precision(parse_dtype(dtype), "--dtype")
+    if not on_cpu():
+        return Precision(None, f"{mx.default_device()}: the checkpoint's dtype", auto=True)
+    if not fast_cpu_blas():
+        return Precision(None, "CPU without a fast BLAS: MLX's bf16 loops beat the reference sgemm", auto=True)
+    if any(a.dtype == mx.uint32 for a in (weights or {}).values()):
+        return Precision(None, "quantized checkpoint: its layers follow the CPU quantized policy", auto=True)
+    floats = [(k, a) for k, a in (weights or {}).items() if mx.issubdtype(a.dtype, mx.floating)]
+    if floats and all(a.dtype == mx.float32 for _, a in floats):
+        return Precision(mx.float32, "CPU: float32 matmuls go through the BLAS; the checkpoint is float32", auto=True)
+    upcast = sum(a.size * 4 for k, a in floats if not _kept(k, GATHER_ONLY))
+    kept = sum(a.nbytes for k, a in floats if _kept(k, GATHER_ONLY))
+    total = upcast + kept
+    memory = physical_memory()
+    if memory and total > MEMORY_SHARE * memory:
+        return Precision(
+            None,
+            f"CPU: float32 would take {total / 2**30:.1f} GiB, over {MEMORY_SHARE:.0%} of "
+            f"{memory / 2**30:.0f} GiB; keeping the checkpoint's dtype (slower matmuls)",
+            auto=True,
+        )
+    return Precision(
+        mx.float32,
+        "CPU: bf16/fp16 weights upcast on load, float32 matmuls go through the BLAS"
+        + (f"; gather-only tables ({', '.join(GATHER_ONLY)}) kept as stored" if kept else ""),
+        GATHER_ONLY,
+        auto=True,
+    )
+
+
+def cast_weights(weights: dict[str, mx.array], precision: Precision) -> dict[str, mx.array]:
+    """``weights`` with float tensors cast to ``precision.dtype`` (those matching ``keep`` left alone)."""
+    if precision.dtype is None:
+        return weights
+    return {
+        k: a.astype(precision.dtype)
+        if mx.issubdtype(a.dtype, mx.floating) and a.dtype != precision.dtype and not _kept(k, precision.keep)
+        else a
+        for k, a in weights.items()
+    }
+
+
+def cast_module(module: nn.Module, precision: Precision) -> None:
+    """Cast a built graph's float parameters in place (for graphs made without ``cast_weights``)."""
+    if precision.dtype is None:
+        return
+
+    def cast(path, a):
+        if mx.issubdtype(a.dtype, mx.floating) and not _kept(path, precision.keep):
+            return a.astype(precision.dtype)
+        return a
+
+    module.update(tree_map_with_path(cast, module.parameters()))
+
+
+# ---------------------------------------------------------------------------------------- after loading
+QUANT_ENV = "GEMMA_ZOO_CPU_QUANT"
+QUANT_CHOICES = ("auto", "dequantize", "fp32-scales", "as-stored")
+
+
+def prepare(graph: nn.Module, precision: Precision) -> list[str]:
+    """Make a loaded graph fast on the device it will run on; returns what was done, one line each.
+
+    On the CPU with a fast BLAS: quantized layers follow ``quantized_policy`` (dequantized to
+    float32 by default) and the output head is laid out for the BLAS (``relayout_head``). On a GPU,
+    or without a fast BLAS, nothing changes.
+    """
+    notes: list[str] = []
+    if not on_cpu() or not fast_cpu_blas():
+        return notes
+    if precision.auto:  # an explicit dtype is the user's choice for the scales too
+        note = apply_quantized_policy(graph)
+        if note:
+            notes.append(note)
+    note = relayout_head(graph)
+    if note:
+        notes.append(note)
+    return notes
+
+
+def quantized_policy(graph: nn.Module) -> tuple[str, str]:
+    """``(choice, why)`` for the quantized layers of ``graph`` on this CPU (``$GEMMA_ZOO_CPU_QUANT``).
+
+    MLX's CPU ``quantized_matmul`` is a scalar loop: with bf16 scales (what ``mlx_lm.convert -q``
+    writes) the 270M decodes at ~0.6 tok/s, with float32 scales at ~5 tok/s, prefill ~10 tok/s.
+    Dequantized to float32 once, the same layers run through the BLAS like any float32 checkpoint
+    (~16 tok/s decode, ~250 tok/s prefill) and give the same products up to summation order, at the
+    memory of float32 (4 bytes a weight instead of ~0.56 at 4 bits). ``auto`` dequantizes when the
+    result fits in ``MEMORY_SHARE`` of the machine's memory, else keeps the packed weights with
+    float32 scales (small and slow).
+    """
+    choice = os.environ.get(QUANT_ENV, "auto").strip().lower()
+    if choice not in QUANT_CHOICES:
+        raise ValueError(f"{QUANT_ENV}={choice!r}: use one of {', '.join(QUANT_CHOICES)}")
+    if choice != "auto":
+        return choice, f"{QUANT_ENV}={choice}"
+    dense = sum(_dense_bytes(m) for _, m in _quantized_leaves(graph)) + float_bytes(graph, quantized=False)
+    memory = physical_memory()
+    if memory and dense > MEMORY_SHARE * memory:
+        return "fp32-scales", (
+            f"dequantized it would take {dense / 2**30:.1f} GiB, over {MEMORY_SHARE:.0%} of {memory / 2**30:.0f} GiB"
+        )
+    return "dequantize", f"MLX's CPU quantized matmul is a scalar loop; float32 goes through the BLAS ({dense / 2**30:.2f} GiB)"
+
+
+def apply_quantized_policy(graph: nn.Module) -> str | None:
+    """Dequantize or rescale the quantized layers of ``graph`` for the CPU; None when it has none."""
+    leaves = _quantized_leaves(graph)
+    if not leaves:
+        return None
+    choice, why = quantized_policy(graph)
+    if choice == "as-stored":
+        return f"quantized layers: as stored ({why})"
+    if choice == "dequantize":
+        for path, module in leaves:
+            _set_module(graph, path, _dequantized(module))
+    # Everything else computes in float32 too (scales and biases of packed layers, norms, embeddings),
+    # so activations stay float32: MLX's CPU quantized matmul is ~8x slower with bf16 scales.
+    cast_module(graph, Precision(mx.float32, "", GATHER_ONLY))
+    mx.eval(graph.parameters())
+    if choice == "fp32-scales":
+        return f"quantized layers: {len(leaves)} kept packed with float32 scales ({why})"
+    return f"quantized layers: {len(leaves)} dequantized to float32 on load ({why})"
+
+
+def relayout_head(graph: nn.Module) -> str | None:
+    """Store the output head's ``[V, H]`` weight as a view of its transpose, contiguous ``[H, V]``.
+
+    The head is ``h @ W.T``; with ``W.T`` contiguous the BLAS streams it as a plain ``[H, V]``
+    operand, which on the 2-core box reads the 262,144 x 640 float32 head at ~26 GB/s instead of
+    ~22 (26 ms instead of 31 per token). ``W`` itself is still a ``[V, H]`` array (a strided view
+    of the same memory), so embedding lookups, saving and every other use see the same values and
+    no memory is added (the copy is made once, here).
+    """
+    module = graph.get("lm_head") if "lm_head" in graph else graph.get("embed_tokens")
+    if module is None or isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "weight" not in module:
+        return None
+    weight = module.weight
+    if weight.dtype != mx.float32 or weight.ndim != 2:
+        return None
+    transposed = mx.contiguous(weight.T)
+    mx.eval(transposed)
+    module.weight = transposed.T
+    name = "lm_head" if "lm_head" in graph else "tied embed_tokens"
+    return f"output head ({name}, {weight.shape[0]}x{weight.shape[1]}) stored transposed for the BLAS"
+
+
+def _quantized_leaves(graph: nn.Module) -> list[tuple[str, nn.Module]]:
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    kinds = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
+    leaves = tree_flatten(graph.leaf_modules(), is_leaf=nn.Module.is_module)
+    return [(path, m) for path, m in leaves if isinstance(m, kinds)]
+
+
+def _dense_weight(module: nn.Module) -> mx.array:
+    return mx.dequantize(
+        module.weight, module.scales, module.get("biases"), group_size=module.group_size, bits=module.bits,
+        mode=getattr(module, "mode", "affine"),
+    ).astype(mx.float32)
+
+
+def _dense_bytes(module: nn.Module) -> int:
+    *lead, packed = module.weight.shape
+    count = packed * 32 // module.bits
+    for n in lead:
+        count *= n
+    return 4 * count
+
+
+def _dequantized(module: nn.Module) -> nn.Module:
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    weight = _dense_weight(module)
+    if isinstance(module, nn.QuantizedEmbedding):
+        dense = nn.Embedding(1, 1)
+    elif isinstance(module, QuantizedSwitchLinear):
+        experts, out_dims, in_dims = weight.shape
+        dense = SwitchLinear(in_dims, out_dims, experts, bias="bias" in module)
+    else:
+        dense = nn.Linear(1, 1, bias="bias" in module)
+    dense.weight = weight
+    if "bias" in module:
+        dense.bias = module.bias.astype(mx.float32)
+    return dense
+
+
+def _set_module(root: nn.Module, path: str, module: nn.Module) -> None:
+    *parents, last = path.split(".")
+    node = root
+    for part in parents:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if isinstance(node, list):
+        node[int(last)] = module
+    else:
+        setattr(node, last, module)
+
+
+def float_bytes(module: nn.Module, quantized: bool = True) -> int:
+    """Bytes of ``module``'s parameters (``quantized=False``: leaving out quantized layers)."""
+    skip = {id(m) for _, m in _quantized_leaves(module)} if not quantized else set()
+    total = 0
+    for _, m in tree_flatten(module.leaf_modules(), is_leaf=nn.Module.is_module):
+        if id(m) in skip:
+            continue
+        total += sum(a.nbytes for _, a in tree_flatten(m.parameters()))
+    return total
+
+
+def physical_memory() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _kept(name: str, keep: tuple[str, ...]) -> bool:
+    return any(part in name for part in keep)
