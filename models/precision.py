@@ -208,8 +208,12 @@ def relayout_head(graph: nn.Module) -> str | None:
     of the same memory), so embedding lookups, saving and every other use see the same values and
     no memory is added (the copy is made once, here).
     """
-    module = graph.get("lm_head") if "lm_head" in graph else graph.get("embed_tokens")
-    if module is None or isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "weight" not in module:
+    owner = next((m for _, m in [("", graph), *graph.named_modules()] if callable(getattr(m, "logits", None))
+                  and ("lm_head" in m or "embed_tokens" in m)), None)  # fmt: skip
+    if owner is None:  # e.g. a multimodal graph holds its decoder as language_model
+        return None
+    module = owner["lm_head"] if "lm_head" in owner else owner["embed_tokens"]
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "weight" not in module:
         return None
     weight = module.weight
     if weight.dtype != mx.float32 or weight.ndim != 2:
@@ -217,7 +221,7 @@ def relayout_head(graph: nn.Module) -> str | None:
     transposed = mx.contiguous(weight.T)
     mx.eval(transposed)
     module.weight = transposed.T
-    name = "lm_head" if "lm_head" in graph else "tied embed_tokens"
+    name = "lm_head" if "lm_head" in owner else "tied embed_tokens"
     return f"output head ({name}, {weight.shape[0]}x{weight.shape[1]}) stored transposed for the BLAS"
 
 

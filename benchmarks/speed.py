@@ -1,0 +1,417 @@
+"""Speed on this machine's CPU, in one go: our stack against the peers, each in its own process.
+
+    python -m benchmarks.speed                       # Gemma 3 270M (real) + E2B-shaped random Gemma 4
+    python -m benchmarks.speed --models gemma3 --skip llama.cpp --runs 3 --gen 128
+    python -m benchmarks.speed --ablations           # what each of our speed-ups buys (270M)
+
+Workload (as ``shared/reference/speed-anchors.md``): a ``--prompt``-token prompt (BOS + random ids
+in [1000, 200000), ``numpy.random.default_rng(0)``, the same for every stack), then ``--gen``
+greedy tokens with EOS ignored; one short warm-up (64 + 8) and ``--runs`` timed runs per process.
+prefill tok/s = prompt / time to first token; decode tok/s = (n - 1) / (last token - first token).
+Peak memory is the process's peak RSS (``getrusage``: Python, libraries, weights, caches). Each
+cell is the median of the runs with the [min-max] range: the box is a shared VM and noisy.
+
+The ceiling is the memory bandwidth this run measures (numpy, 2 threads each summing half of a
+1 GiB array, median of 5): decode can go no faster than bandwidth / bytes read per token (the
+weights every token multiplies by, in the stack's storage dtype, plus the KV cache read at the
+mean decode position). Stacks:
+
+- ``ours``: ``models.load`` + ``models.generate.generate_tokens``, out of the box (the fast BLAS
+  preload, ``dtype="auto"``, the head layout, the compiled decode pieces);
+- ``mlx-lm stock``: ``mlx_lm`` as a user gets it (bf16, as Hub checkpoints are; bundled BLAS);
+- ``mlx-lm + BLAS``: ``mlx_lm`` in float32 with the same BLAS as ours loaded before MLX;
+- ``torch``: transformers ``generate`` on PyTorch CPU in float32, 2 threads, sdpa;
+- ``llama.cpp``: llama-cpp-python (built from source) on the Q4_K_M GGUF the 270M ships as,
+  ``use_extra_bufts=False`` (the AMX/REPACK buffers segfault on AMX machines); skipped when the
+  package is not installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STACKS = ("ours", "mlx-lm stock", "mlx-lm + BLAS", "torch", "llama.cpp")
+# name -> (stack, extra environment, child options); the ablations run on the 270M only.
+ABLATIONS = {
+    "ours (all on)": ("ours", {}, {}),
+    "no compiled decode pieces (GEMMA_ZOO_COMPILE=0)": ("ours", {"GEMMA_ZOO_COMPILE": "0"}, {}),
+    "head not transposed": ("ours", {}, {"no_relayout": True}),
+    "mx.eval each step instead of mx.async_eval": ("ours", {}, {"sync": True}),
+    "bfloat16 weights (--dtype bfloat16)": ("ours", {}, {"dtype": "bfloat16", "short": True}),
+    "bundled reference BLAS (GEMMA_ZOO_BLAS=off)": ("ours", {"GEMMA_ZOO_BLAS": "off"}, {"short": True}),
+    "OpenBLAS (GEMMA_ZOO_BLAS=openblas)": ("ours", {"GEMMA_ZOO_BLAS": "openblas"}, {}),
+    "4-bit, dequantized on load (default CPU policy)": ("ours", {"GEMMA_ZOO_CPU_QUANT": "auto"}, {"q_bits": 4}),
+    "4-bit, packed, float32 scales": ("ours", {"GEMMA_ZOO_CPU_QUANT": "fp32-scales"}, {"q_bits": 4, "short": True}),
+    "8-bit, dequantized on load (default CPU policy)": ("ours", {"GEMMA_ZOO_CPU_QUANT": "auto"}, {"q_bits": 8}),
+    "8-bit, packed, float32 scales": ("ours", {"GEMMA_ZOO_CPU_QUANT": "fp32-scales"}, {"q_bits": 8, "short": True}),
+}
+
+
+# ---------------------------------------------------------------------------------------- models
+def gemma3_folder() -> Path:
+    from models.gemma3_assets import gemma3_270m_folder
+
+    return gemma3_270m_folder()
+
+
+def gemma4_folder() -> Path:
+    from benchmarks.gemma4_text_vs_mlx_lm import build_checkpoint
+
+    return build_checkpoint()
+
+
+MODELS = {"gemma3": ("Gemma 3 270M (real weights)", gemma3_folder), "gemma4": ("Gemma 4 E2B-shaped (random)", gemma4_folder)}
+
+
+def prompt_ids(n: int) -> list[int]:
+    import numpy as np
+
+    return [2] + np.random.default_rng(0).integers(1000, 200000, n - 1).tolist()
+
+
+def weights_per_token(folder: Path) -> tuple[int, dict]:
+    """Parameters every decoded token multiplies by (all but gather-only tables) and the config."""
+    from safetensors import safe_open
+
+    config = json.loads((folder / "config.json").read_text())
+    count = 0
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), "numpy") as f:
+            for key in f.keys():
+                if "embed_tokens_per_layer" in key:
+                    continue
+                shape = f.get_slice(key).get_shape()
+                n = 1
+                for d in shape:
+                    n *= d
+                count += n
+    return count, config
+
+
+def kv_bytes_per_token(config: dict, mean_position: int, item: int) -> int:
+    """KV cache bytes a decode step reads at ``mean_position`` (sliding layers read their window)."""
+    text = config.get("text_config", config)
+    layers = text.get("layer_types") or []
+    window = text.get("sliding_window") or mean_position
+    total = 0
+    for kind in layers:  # a KV-shared layer reads its donor's cache again: every layer counts
+        full = kind == "full_attention"
+        dim = (text.get("global_head_dim") or text.get("head_dim")) if full else text.get("head_dim")
+        heads = (text.get("num_global_key_value_heads") or text.get("num_key_value_heads")) if full else text.get("num_key_value_heads")
+        rows = mean_position if full else min(window, mean_position)
+        total += 2 * rows * heads * dim * item
+    return total
+
+
+# ---------------------------------------------------------------------------------------- children
+def child(stack: str, folder: str, n_prompt: int, gen: int, runs: int, options: dict) -> dict:
+    prompt = prompt_ids(n_prompt)
+    run = {"ours": run_ours, "mlx-lm stock": run_mlx_lm, "mlx-lm + BLAS": run_mlx_lm, "torch": run_torch,
+           "llama.cpp": run_llama}[stack]  # fmt: skip
+    state = setup(stack, Path(folder), options)
+    run(state, prompt[:64], 8)  # warm-up
+    results = [run(state, prompt, gen) for _ in range(runs)]
+    import resource
+
+    return {
+        "prefill": [n_prompt / r[0] for r in results],
+        "decode": [(len(r[2]) - 1) / r[1] for r in results],
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+        "ids": results[-1][2][:8],
+        "item_bytes": state.get("item_bytes", 4),
+        "weight_bytes": state.get("weight_bytes"),
+        "notes": state.get("notes", ""),
+    }
+
+
+def setup(stack: str, folder: Path, options: dict) -> dict:
+    if stack == "ours":
+        import zoo_blas
+
+        import mlx.core as mx
+        import models
+
+        kwargs = {"tokenizer": False}
+        if options.get("dtype"):
+            kwargs["dtype"] = options["dtype"]
+        if options.get("q_bits"):
+            kwargs.update(q_bits=options["q_bits"], q_group_size=64)
+        model = models.load(str(folder), **kwargs)
+        graph = model.graph
+        if options.get("no_relayout"):
+            head = graph["lm_head"] if "lm_head" in graph else graph["embed_tokens"]
+            head.weight = mx.contiguous(head.weight)
+            mx.eval(head.weight)
+        from mlx.utils import tree_flatten
+
+        nbytes = sum(a.nbytes for k, a in tree_flatten(graph.parameters()) if "embed_tokens_per_layer" not in k)
+        dtype = graph.embed_tokens.get("scales", graph.embed_tokens.weight).dtype if "embed_tokens" in graph else mx.float32
+        blas = zoo_blas.info()
+        notes = [f"{blas['name']} {blas['version'] or ''}".strip(), model.precision.describe().split(" (")[0],
+                 *(n.split(" (")[0] for n in model.device_notes)]
+        return {"model": model, "sync": options.get("sync", False), "weight_bytes": nbytes,
+                "item_bytes": dtype.size, "notes": " | ".join(notes)}  # fmt: skip
+    if stack in ("mlx-lm stock", "mlx-lm + BLAS"):
+        if stack == "mlx-lm + BLAS":
+            import zoo_blas  # noqa: F401  (before mlx, as ours)
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
+        from mlx_lm.utils import load_model
+
+        model, _ = load_model(folder)
+        dtype = mx.bfloat16 if stack == "mlx-lm stock" else mx.float32
+        model.set_dtype(dtype)
+        mx.eval(model.parameters())
+        nbytes = sum(a.nbytes for k, a in tree_flatten(model.parameters()) if "embed_tokens_per_layer" not in k)
+        blas = __import__("zoo_blas").info() if stack == "mlx-lm + BLAS" else {}
+        notes = "bf16, bundled reference BLAS" if stack == "mlx-lm stock" else f"fp32, {blas['name']} {blas['version'] or ''}"
+
+        return {"model": model, "weight_bytes": nbytes, "item_bytes": dtype.size, "notes": notes}
+    if stack == "torch":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(2)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+        nbytes = sum(p.numel() * 4 for n, p in model.named_parameters() if "embed_tokens_per_layer" not in n)
+        return {"model": model, "weight_bytes": nbytes, "item_bytes": 4, "notes": f"torch {torch.__version__}, fp32, 2 threads"}
+    if stack == "llama.cpp":
+        import llama_cpp
+        import llama_cpp.llama as llama_module
+
+        from models.gemma3_assets import gemma3_270m_gguf
+
+        gguf = gemma3_270m_gguf()
+        default_params = llama_cpp.llama_model_default_params
+
+        def no_extra_buffers():
+            params = default_params()
+            params.use_extra_bufts = False  # the AMX / REPACK buffer types segfault on AMX CPUs
+            return params
+
+        llama_module.llama_cpp.llama_model_default_params = no_extra_buffers
+        llm = llama_cpp.Llama(str(gguf), n_ctx=1024, n_batch=512, n_threads=2, verbose=False)
+        return {"model": llm, "weight_bytes": gguf.stat().st_size, "item_bytes": 2,
+                "notes": f"llama-cpp-python {llama_cpp.__version__}, {gguf.name}, 2 threads, use_extra_bufts=False"}  # fmt: skip
+    raise ValueError(stack)
+
+
+def run_ours(state: dict, prompt: list[int], gen: int):
+    import mlx.core as mx
+
+    from models.generate import generate_tokens
+
+    model = state["model"]
+    cache = model.make_cache()
+    start = time.perf_counter()
+    if not state.get("sync"):
+        tokens = generate_tokens(model.forward, prompt, cache, max_tokens=gen)
+        ids = [next(tokens)]
+        first = time.perf_counter()
+        ids += list(tokens)
+        return first - start, time.perf_counter() - first, ids
+    # The same loop with a blocking mx.eval per step (what mx.async_eval saves).
+    from models.generate import prefill
+
+    y = mx.argmax(prefill(model.forward, prompt, cache), axis=-1)
+    ids = [y.item()]
+    first = time.perf_counter()
+    for _ in range(gen - 1):
+        y = mx.argmax(model.forward(y.reshape(1, 1), cache, last_only=True)[0, -1], axis=-1)
+        mx.eval(y)
+        ids.append(y.item())
+    return first - start, time.perf_counter() - first, ids
+
+
+def run_mlx_lm(state: dict, prompt: list[int], gen: int):
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    start = time.perf_counter()
+    steps = generate_step(mx.array(prompt), state["model"], max_tokens=gen)
+    ids = [int(next(steps)[0])]
+    first = time.perf_counter()
+    ids += [int(t) for t, _ in steps]
+    return first - start, time.perf_counter() - first, ids
+
+
+def run_torch(state: dict, prompt: list[int], gen: int):
+    import torch
+    from transformers.generation.streamers import BaseStreamer
+
+    class FirstToken(BaseStreamer):
+        def __init__(self):
+            self.calls, self.first = 0, None
+
+        def put(self, value):
+            self.calls += 1
+            if self.calls == 2:  # the first call is the prompt
+                self.first = time.perf_counter()
+
+        def end(self):
+            pass
+
+    streamer = FirstToken()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = state["model"].generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=gen, min_new_tokens=gen, eos_token_id=None,
+            pad_token_id=0, streamer=streamer,
+        )
+    end = time.perf_counter()
+    ids = out[0, len(prompt):].tolist()
+    return streamer.first - start, end - streamer.first, ids
+
+
+def run_llama(state: dict, prompt: list[int], gen: int):
+    import llama_cpp
+    import numpy as np
+
+    llm = state["model"]
+    llm.reset()
+    start = time.perf_counter()
+    llm.eval(prompt)
+
+    def argmax() -> int:
+        logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(llm.n_vocab(),))))
+
+    ids = [argmax()]
+    first = time.perf_counter()
+    for _ in range(gen - 1):
+        llm.eval([ids[-1]])
+        ids.append(argmax())
+    return first - start, time.perf_counter() - first, ids
+
+
+# ---------------------------------------------------------------------------------------- parent
+def bandwidth_gbs(threads: int = 2, gib: float = 1.0, repeats: int = 5) -> float:
+    """Read bandwidth: ``threads`` numpy threads each summing its share of a ``gib`` GiB array."""
+    import numpy as np
+
+    a = np.ones(int(gib * 2**30) // 8)
+    parts = np.array_split(a, threads)
+    speeds = []
+    for _ in range(repeats):
+        workers = [threading.Thread(target=p.sum) for p in parts]
+        t = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        speeds.append(a.nbytes / (time.perf_counter() - t) / 1e9)
+    return statistics.median(speeds)
+
+
+def spawn(stack: str, folder: Path, args, env: dict | None = None, options: dict | None = None) -> dict:
+    options = options or {}
+    gen, runs = (min(args.gen, 32), 1) if options.get("short") else (args.gen, args.runs)
+    cmd = [sys.executable, "-m", "benchmarks.speed", "--child", stack, "--path", str(folder), "--prompt",
+           str(args.prompt), "--gen", str(gen), "--runs", str(runs), "--options", json.dumps(options)]  # fmt: skip
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if out.returncode != 0:
+        return {"error": (out.stderr.strip().splitlines() or ["failed"])[-1][:200]}
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result.update(gen=gen, runs=runs)
+    return result
+
+
+def cell(values: list[float], digits: int = 1) -> str:
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+
+def table(title: str, rows: dict, ours_key: str, bandwidth: float, kv_of) -> str:
+    lines = [f"### {title}", "",
+             "| stack | prefill tok/s | decode tok/s | peak RSS GB | prefill vs ours | decode vs ours | RSS vs ours "
+             "| decode % of ceiling | notes |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    ours = rows.get(ours_key, {})
+    for name, r in rows.items():
+        if "error" in r or "skipped" in r:
+            lines.append(f"| {name} | - | - | - | - | - | - | - | {r.get('error') or r.get('skipped')} |")
+            continue
+        p, d = statistics.median(r["prefill"]), statistics.median(r["decode"])
+        ratio = lambda a, b: f"{a / b:.2f}x" if b else "-"  # noqa: E731
+        po = statistics.median(ours["prefill"]) if "prefill" in ours else 0
+        do = statistics.median(ours["decode"]) if "decode" in ours else 0
+        per_token = r["weight_bytes"] + kv_of(r["item_bytes"])
+        ceiling = bandwidth * 1e9 / per_token
+        short = f"; G={r['gen']}, {r['runs']} run" if r["runs"] == 1 else ""
+        lines.append(
+            f"| {name} | {cell(r['prefill'])} | {cell(r['decode'], 2)} | {r['peak_rss_gb']:.2f} | {ratio(p, po)} | "
+            f"{ratio(d, do)} | {ratio(r['peak_rss_gb'], ours.get('peak_rss_gb', 0))} | {100 * d / ceiling:.0f}% of "
+            f"{ceiling:.1f} ({per_token / 1e6:.0f} MB/token) | {r['notes']}{short} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--gen", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--models", default="gemma3,gemma4", help="comma-separated: gemma3, gemma4")
+    parser.add_argument("--skip", default="", help="comma-separated stacks to leave out, e.g. 'llama.cpp,torch'")
+    parser.add_argument("--ablations", action="store_true", help="our stack with each speed-up taken away (270M)")
+    parser.add_argument("--out", help="also write the tables (markdown) to this file")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--options", default="{}", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.path, args.prompt, args.gen, args.runs, json.loads(args.options))))
+        return
+
+    bandwidth = bandwidth_gbs()
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    load = os.getloadavg()[0]
+    out = [f"Prompt {args.prompt}, {args.gen} greedy tokens, median [range] of {args.runs} runs per process; "
+           f"memory-bandwidth ceiling measured now: {bandwidth:.1f} GB/s (numpy read, 2 threads); load average "
+           f"at start {load:.1f} on {os.cpu_count()} CPUs."]  # fmt: skip
+    print(out[0], flush=True)
+    for key in [m.strip() for m in args.models.split(",") if m.strip()]:
+        title, folder_of = MODELS[key]
+        folder = folder_of()
+        _, config = weights_per_token(folder)
+        mean_position = args.prompt + args.gen // 2
+        kv_of = lambda item, c=config: kv_bytes_per_token(c, mean_position, item)  # noqa: E731
+        rows = {}
+        plan = ABLATIONS.items() if args.ablations else ((s, (s, {}, {})) for s in STACKS)
+        for name, (stack, env, options) in plan:
+            if stack in skip or (key != "gemma3" and stack == "llama.cpp"):
+                continue
+            if args.ablations and key != "gemma3":
+                break
+            if stack == "llama.cpp" and not _installed("llama_cpp"):
+                rows[name] = {"skipped": "llama-cpp-python is not installed (optional)"}
+                continue
+            print(f"  {title}: {name} ...", flush=True)
+            rows[name] = spawn(stack, folder, args, env, options)
+        if rows:
+            text = table(title, rows, "ours (all on)" if args.ablations else "ours", bandwidth, kv_of)
+            print(text, flush=True)
+            out.append(text)
+    if args.out:
+        Path(args.out).write_text("\n\n".join(out) + "\n")
+
+
+def _installed(name: str) -> bool:
+    from importlib.util import find_spec
+
+    return find_spec(name) is not None
+
+
+if __name__ == "__main__":
+    main()
