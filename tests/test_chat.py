@@ -126,6 +126,7 @@ def test_ctrl_c_stops_the_answer_not_the_session(chat_checkpoint):
     child = spawn_chat(chat_checkpoint, "--max-tokens", "100000")
     child.expect(">> ")
     child.sendline("Talk forever.")
+    child.expect("Talk forever.\r\n")  # the terminal's echo of the typed line
     child.expect(r"\S")  # the answer is streaming
     child.sendintr()
     child.expect(r"\[stopped\]")
