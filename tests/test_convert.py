@@ -187,3 +187,20 @@ def test_cli(sources, tmp_path, capsys):
         main(["--model", str(sources / "T1"), "--out", str(tmp_path / "x"), "--q-bits", "3"])
     with pytest.raises(SystemExit):
         main(["--model", str(sources / "T1"), "--out", str(tmp_path / "x"), "--embed-bits", "8"])
+
+
+def test_quantized_vision_tower_round_trip(sources, tmp_path):
+    """``--quantize-vision``: the tower is written packed (mlx-vlm's names) and loads back quantized."""
+    from PIL import Image
+
+    out = tmp_path / "out"
+    convert(str(sources / "T5"), out, q_policy=QuantizationPolicy(8, 32, quantize_vision=True))
+    weights = mx.load(str(out / "model.safetensors"))
+    assert weights["vision_tower.encoder.layers.0.self_attn.q_proj.linear.weight"].dtype == mx.uint32
+    assert "vision_tower.encoder.layers.0.self_attn.q_proj.linear.scales" in weights
+    loaded = models.load(str(out), tokenizer=False)
+    on_load = models.load(str(sources / "T5"), tokenizer=False, q_policy=QuantizationPolicy(8, 32, quantize_vision=True))
+    assert quantized_modules(loaded.graph) == quantized_modules(on_load.graph)
+    picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 144, 3), dtype=np.uint8))
+    features = [m.graph.encode_images(m.process_images([picture], max_soft_tokens=70))[0] for m in (loaded, on_load)]
+    assert mx.array_equal(*features)
