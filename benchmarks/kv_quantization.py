@@ -1,0 +1,116 @@
+"""Quantized KV caches: storage per token, peak memory and decode speed, against full precision
+and against mlx-lm's ``--kv-bits`` on the same checkpoint, in one run.
+
+Uses the E2B-shaped random Gemma 4 of ``benchmarks.gemma4_text_vs_mlx_lm`` (sliding and full
+layers, KV sharing). Each configuration runs in its own process: a prompt of ``--prompt`` tokens
+(prefill chunks of 512), then ``--gen`` greedy tokens; the median of ``--runs`` runs.
+
+    python -m benchmarks.kv_quantization [--prompt 4096 --gen 64 --runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = [("full precision", None), ("kv 8-bit", 8), ("kv 4-bit", 4)]
+
+
+def run_ours(path: str, prompt: list[int], gen: int, bits: int | None):
+    import mlx.core as mx
+
+    import models
+    from models.generate import KVQuantization, generate_tokens
+    from models.model import owning_caches
+
+    model = models.load(path, tokenizer=False)
+    cache = model.make_cache()
+    kv = KVQuantization(bits, 64, start=0) if bits else None
+    tokens = generate_tokens(model.forward, prompt, cache, max_tokens=gen, kv_quantization=kv)
+    next(tokens)
+    start = time.perf_counter()
+    n = sum(1 for _ in tokens)
+    per_token = (time.perf_counter() - start) / max(n, 1)
+    layers = owning_caches(cache)
+    return {
+        "decode_tps": 1 / per_token,
+        "cache_mb": sum(c.nbytes for c in layers) / 1e6,
+        "bytes_per_token": sum(c.bytes_per_token for c in layers),
+        "peak_gb": mx.get_peak_memory() / 1e9,
+    }
+
+
+def run_mlx_lm(path: str, prompt: list[int], gen: int, bits: int | None):
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(path))
+    options = dict(kv_bits=bits, kv_group_size=64, quantized_kv_start=0) if bits else {}
+    steps = generate_step(mx.array(prompt), model, max_tokens=gen + 1, prefill_step_size=512, **options)
+    next(steps)
+    start = time.perf_counter()
+    n = sum(1 for _ in steps)
+    return {"decode_tps": n / (time.perf_counter() - start), "peak_gb": mx.get_peak_memory() / 1e9}
+
+
+def child(which: str, path: str, n_prompt: int, gen: int, runs: int, bits: int | None) -> None:
+    import numpy as np
+
+    prompt = [2] + np.random.default_rng(0).integers(1000, 200000, n_prompt - 1).tolist()
+    run = run_ours if which == "ours" else run_mlx_lm
+    try:
+        results = [run(path, prompt, gen, bits) for _ in range(runs)]
+    except Exception as err:  # a peer that crashes is a measured result, reported as such
+        print(json.dumps({"error": f"{type(err).__name__}: {err}"[:160]}))
+        return
+    print(json.dumps({key: statistics.median(r[key] for r in results) for key in results[0]}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompt", type=int, default=4096)
+    parser.add_argument("--gen", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--child", choices=["ours", "mlx_lm"], help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--bits", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args.path, args.prompt, args.gen, args.runs, args.bits)
+        return
+    from benchmarks.gemma4_text_vs_mlx_lm import build_checkpoint
+
+    path = build_checkpoint()
+    rows = {}
+    for which in ("ours", "mlx_lm"):
+        for name, bits in CONFIGS:
+            command = [sys.executable, "-m", "benchmarks.kv_quantization", "--child", which, "--path", str(path),
+                       "--prompt", str(args.prompt), "--gen", str(args.gen), "--runs", str(args.runs)]  # fmt: skip
+            if bits:
+                command += ["--bits", str(bits)]
+            out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+            lines = out.stdout.strip().splitlines()
+            rows[which, name] = json.loads(lines[-1]) if lines else {"error": out.stderr.strip()[-160:]}
+    print(f"E2B-shaped random Gemma 4, prompt {args.prompt}, {args.gen} greedy tokens, median of {args.runs}")
+    print("| cache | ours decode tok/s | ours cache MB | ours bytes/token | ours peak GB | mlx-lm decode tok/s | mlx-lm peak GB | decode ours/mlx-lm |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, _ in CONFIGS:
+        ours, peer = rows["ours", name], rows["mlx_lm", name]
+        if "error" in ours:
+            print(f"| {name} | error: {ours['error']} |")
+            continue
+        peer_cells = (f"{peer['decode_tps']:.2f} | {peer['peak_gb']:.2f} | {ours['decode_tps'] / peer['decode_tps']:.2f}x"
+                      if "error" not in peer else f"fails: {peer['error']} | – | –")  # fmt: skip
+        print(f"| {name} | {ours['decode_tps']:.2f} | {ours['cache_mb']:.1f} | {ours['bytes_per_token']} | "
+              f"{ours['peak_gb']:.2f} | {peer_cells} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
