@@ -53,6 +53,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights' dtype: auto (default) picks per device: float32 on a CPU with a fast BLAS, "
                         "the checkpoint's dtype on a GPU; --verbose says which")  # fmt: skip
+    p.add_argument("--q-bits", type=int, choices=[4, 8], default=None,
+                   help="quantize the weights on load to this many bits (docs/quantization.md has the policy)")  # fmt: skip
+    p.add_argument("--q-group-size", type=int, choices=[32, 64, 128], default=None)
     p.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 5, 6, 8], default=None,
                    help="store the KV cache quantized to this many bits (default: full precision)")  # fmt: skip
     p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
@@ -81,7 +84,7 @@ def kv_quantization_from_args(args: argparse.Namespace) -> KVQuantization:
 def load_model(args: argparse.Namespace):
     """The model, or None after printing why it cannot be loaded (not available, not a checkpoint, damaged)."""
     try:
-        model = models.load(args.model, dtype=args.dtype)
+        model = models.load(args.model, dtype=args.dtype, q_bits=args.q_bits, q_group_size=args.q_group_size)
     except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None

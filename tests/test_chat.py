@@ -200,3 +200,18 @@ def test_kv_bits_flags_quantize_the_cache(chat_checkpoint, model):
     expected = "".join(session.send("Hello"))
     assert out.stdout == expected + "\n"
     assert all(c.codec.quantized for c in session.cache if hasattr(c, "codec"))
+
+
+def test_q_bits_flag_quantizes_the_weights_on_load(chat_checkpoint):
+    import subprocess
+
+    import models
+
+    flags = ["--q-bits", "8", "--q-group-size", "32", "--max-tokens", "6", "--dtype", "float32"]
+    out = subprocess.run(
+        [sys.executable, "-m", "examples.chat", "--model", str(chat_checkpoint), "--prompt", "Hello", *flags],
+        capture_output=True, text=True, check=True,
+    )
+    quantized = models.load(str(chat_checkpoint), dtype="float32", q_bits=8, q_group_size=32)
+    expected = "".join(ChatSession(quantized, max_tokens=6).send("Hello"))
+    assert out.stdout == expected + "\n"
