@@ -103,6 +103,8 @@ def run_mlx_lm(path: Path, prompt: list[int], gen: int) -> tuple[float, float]:
 
 
 def child(which: str, path: str, n_prompt: int, gen: int, runs: int) -> None:
+    import zoo_blas  # noqa: F401  (the same BLAS for both stacks, loaded before MLX)
+
     import mlx.core as mx
     import numpy as np
 

@@ -61,6 +61,8 @@ def run_mlx_lm(path: str, prompt: list[int], gen: int, bits: int | None):
 
 
 def child(which: str, path: str, n_prompt: int, gen: int, runs: int, bits: int | None) -> None:
+    import zoo_blas  # noqa: F401  (the same BLAS for both stacks, loaded before MLX)
+
     import numpy as np
 
     prompt = [2] + np.random.default_rng(0).integers(1000, 200000, n_prompt - 1).tolist()
