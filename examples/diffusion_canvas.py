@@ -28,6 +28,7 @@ from pathlib import Path
 
 from models.diffusion_generate import CommittedBlock, DenoiseStep, DiffusionResult, Finished
 from models.diffusion_model import DiffusionModel, load_diffusion
+from models.generate import KVQuantization
 from models.image_processor import Gemma4ImageProcessor
 
 BRIGHT, DIM, BOLD, RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[1m", "\x1b[0m"
@@ -47,6 +48,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--html", metavar="FILE", help="save the denoising as a self-contained HTML page")
     p.add_argument("--no-live", action="store_true", help="no in-place canvas, only the committed text")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights on load")
+    p.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 5, 6, 8], help="store the KV cache quantized")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
+    p.add_argument("--quantized-kv-start", type=int, default=5000,
+                   help="positions held in full precision before the cache switches to --kv-bits")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -195,7 +200,8 @@ def main(argv=None) -> int:
         options = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps}
         options = {k: v for k, v in options.items() if v is not None}
         eos = model.options(**options).eos_token_id
-        events = model.stream(prompt, seed=args.seed, **options)
+        kv = KVQuantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
+        events = model.stream(prompt, seed=args.seed, kv_quantization=kv, **options)
         live = LiveView(tokens) if sys.stdout.isatty() and not args.no_live else None
         recording = Recording(tokens) if args.html else None
         result = None

@@ -220,6 +220,7 @@ def stream_diffusion(
     cache: list | None = None,
     initial_canvas=None,
     prefill_step: int = DEFAULT_PREFILL_STEP,
+    kv_quantization=None,
 ) -> Iterator[DenoiseStep | CommittedBlock | Finished]:
     """Run block diffusion on ``model`` (a ``graphs.diffusion_gemma.DiffusionGemmaModel``), yielding
     every denoising step, every committed block and finally ``Finished(result)``.
@@ -229,7 +230,8 @@ def stream_diffusion(
     ``image_features`` the images' ``[n_i, H]`` features (``model.image_features``) in row-major
     order of appearance. With ``cache`` (an earlier run's ``result.cache``) the prompt is appended
     to it. ``initial_canvas [B, C]`` replaces the first block's random canvas. ``noise``
-    overrides ``seed``.
+    overrides ``seed``. ``kv_quantization`` (``models.generate.KVQuantization``) switches the
+    caches to quantized storage after each encoder pass once they hold enough positions.
     """
     options = options or DiffusionGenerationConfig()
     config = model.config
@@ -240,6 +242,8 @@ def stream_diffusion(
     cache = model.make_cache() if cache is None else cache
     start = time.perf_counter()
     _encode_prompt(model, ids, cache, list(image_features), prefill_step)
+    if kv_quantization is not None:
+        kv_quantization.apply(cache)
     prefill_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -252,6 +256,8 @@ def stream_diffusion(
     for block in range(options.num_blocks(current_length, C)):
         if block:
             model.encode(mx.array(sequences[:, -C:]), cache)
+            if kv_quantization is not None:
+                kv_quantization.apply(cache)
             _eval_cache(cache)
         if block == 0 and initial_canvas is not None:
             canvas = _check_canvas(initial_canvas, B, C, V)

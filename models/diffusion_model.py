@@ -89,6 +89,7 @@ class DiffusionModel:
         cache: list | None = None,
         prefill_step: int = DEFAULT_PREFILL_STEP,
         max_soft_tokens: int | None = None,
+        kv_quantization=None,
         **options,
     ) -> Iterator[DenoiseStep | CommittedBlock | Finished]:
         """Every denoising step, every committed block, then ``Finished(result)``.
@@ -99,7 +100,8 @@ class DiffusionModel:
             prompt = self.prompt(prompt, images, max_soft_tokens)
         features = [span.features for span in prompt.images]
         return stream_diffusion(
-            self.graph, prompt.ids, self.options(**options), image_features=features, seed=seed, cache=cache, prefill_step=prefill_step
+            self.graph, prompt.ids, self.options(**options), image_features=features, seed=seed, cache=cache, prefill_step=prefill_step,
+            kv_quantization=kv_quantization,
         )
 
     def generate(self, prompt, images=(), **kwargs) -> DiffusionResult:

@@ -351,3 +351,18 @@ def test_max_length_rule():
     assert DiffusionGenerationConfig(max_length=50).lengths(10) == (50, 40)  # max_new_tokens still 256: max_length wins
     assert DiffusionGenerationConfig(max_length=50, max_new_tokens=100).lengths(10) == (110, 100)
     assert DiffusionGenerationConfig(max_new_tokens=17).num_blocks(10, 8) == 3
+
+
+def test_kv_quantization_switches_the_encoder_caches(models):
+    """``--kv-bits`` for DiffusionGemma: below the start offset nothing changes; past it every
+    cache holds quantized storage and the canvas reads run on it."""
+    from models.generate import KVQuantization
+
+    _, ours = models("random")
+    options = DiffusionGenerationConfig(max_new_tokens=3 * C, max_denoising_steps=3)
+    plain = generate_diffusion(ours, [5, 6, 7], options, seed=7)
+    late = generate_diffusion(ours, [5, 6, 7], options, seed=7, kv_quantization=KVQuantization(8, 32, start=10_000))
+    np.testing.assert_array_equal(plain.sequences, late.sequences)
+    quantized = generate_diffusion(ours, [5, 6, 7], options, seed=7, kv_quantization=KVQuantization(8, 32, start=0))
+    assert all(c.codec.quantized for c in quantized.cache)
+    assert quantized.sequences.shape == plain.sequences.shape
