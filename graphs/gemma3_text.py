@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from cache import KVCache, RotatingKVCache
-from models.fused import norm_rope
+from models.fused import head_product, norm_rope
 from models.gemma3_config import SLIDING, Gemma3TextConfig
 from weights.quantize import is_quantized_entry, prepare_quantized
 
@@ -164,7 +164,7 @@ class Gemma3TextModel(nn.Module):
         return self.embed_tokens(input_ids) * scale
 
     def logits(self, h: mx.array) -> mx.array:
-        out = self.lm_head(h) if "lm_head" in self else self.embed_tokens.as_linear(h)
+        out = head_product(self, h)  # lm_head or the tied embedding; split across CPU streams (models.fused)
         cap = self.config.final_logit_softcapping
         if cap:
             out = cap * mx.tanh(out / cap)

@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cache import KVCache, RotatingKVCache
-from models.fused import norm_rope
+from models.fused import head_product, norm_rope
 from models.gemma4_config import SLIDING, Gemma4TextConfig, LayerGeometry
 
 from .layers import Experts, GeGLUMLP, RMSNorm, RoPE, Router, scaled
@@ -210,7 +210,7 @@ class Gemma4TextModel(nn.Module):
         return scaled(context + token_part, 2.0**-0.5)
 
     def logits(self, h: mx.array) -> mx.array:
-        out = self.lm_head(h) if "lm_head" in self else self.embed_tokens.as_linear(h)
+        out = head_product(self, h)  # lm_head or the tied embedding; split across CPU streams (models.fused)
         cap = self.config.final_logit_softcapping
         if cap:
             out = cap * mx.tanh(out / cap)

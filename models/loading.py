@@ -65,6 +65,7 @@ def load(
     architecture.load_weights(graph, weights)
     if quantization is not None:
         quantize_model(graph, quantization)
+    del weights  # the graph holds what it needs; the rest (e.g. float weights quantized away) can go
     device_notes = prepare(graph, precision)  # CPU: quantized layers and the output head (models.precision)
     graph.eval()
     generation_config = read_generation_config(folder)

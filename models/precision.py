@@ -34,6 +34,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
+from .fused import HeadBlocks
+
 AUTO = "auto"
 # Parameters only ever gathered from (never a matmul operand): kept in the checkpoint's dtype.
 GATHER_ONLY = ("embed_tokens_per_layer",)
@@ -151,6 +153,10 @@ def prepare(graph: nn.Module, precision: Precision) -> list[str]:
     note = relayout_head(graph)
     if note:
         notes.append(note)
+    note = parallel_mlps(graph)
+    if note:
+        notes.append(note)
+    mx.clear_cache()  # buffers freed by the casts, dequantization and relayout go back to the system
     return notes
 
 
@@ -221,8 +227,21 @@ def relayout_head(graph: nn.Module) -> str | None:
     transposed = mx.contiguous(weight.T)
     mx.eval(transposed)
     module.weight = transposed.T
+    owner._head_blocks = HeadBlocks(module.weight, transposed)  # read by models.fused.head_product
     name = "lm_head" if "lm_head" in owner else "tied embed_tokens"
-    return f"output head ({name}, {weight.shape[0]}x{weight.shape[1]}) stored transposed for the BLAS"
+    return f"output head ({name}, {weight.shape[0]}x{weight.shape[1]}) stored transposed, split across 2 CPU streams"
+
+
+def parallel_mlps(graph: nn.Module) -> str | None:
+    """Gate and up projections of every GeGLU MLP on two CPU streams for decode (``models.fused``)."""
+    from graphs.layers import GeGLUMLP
+
+    from .fused import parallel_mlp
+
+    mlps = [m for _, m in graph.named_modules() if type(m) is GeGLUMLP]
+    for m in mlps:
+        parallel_mlp(m)
+    return f"{len(mlps)} MLPs: gate and up projections on two CPU streams for decode" if mlps else None
 
 
 def _quantized_leaves(graph: nn.Module) -> list[tuple[str, nn.Module]]:

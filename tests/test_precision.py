@@ -160,3 +160,35 @@ def test_compiled_decode_generates_the_same_tokens(checkpoints, monkeypatch):
     monkeypatch.setenv(fused.ENV, "0")
     plain = list(generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=24))
     assert compiled == plain
+
+
+# ---------------------------------------------------------------------------------------- CPU streams
+@cpu_with_blas
+def test_split_head_and_parallel_mlp_keep_the_numbers(checkpoints, monkeypatch):
+    model = models.load(str(checkpoints / "f32"), tokenizer=False)
+    assert getattr(model.graph, "_head_blocks", None) is not None
+    assert any("two CPU streams" in note for note in model.device_notes)
+    ids = [[2, 17, 99, 4, 56, 200, 31, 7]]
+    prompt = [2, 17, 99, 4, 56, 200, 31]
+    split_tokens = list(generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=24))
+    cache = model.make_cache()
+    model.logits(ids[0][:-1], cache)
+    split_last = model.logits(ids[0][-1:], cache)
+    monkeypatch.setenv(fused.STREAMS_ENV, "0")
+    plain_tokens = list(generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=24))
+    cache = model.make_cache()
+    model.logits(ids[0][:-1], cache)
+    plain_last = model.logits(ids[0][-1:], cache)
+    assert split_tokens == plain_tokens
+    # The head's two halves are summed: the same product up to float32 rounding.
+    np.testing.assert_allclose(np.array(split_last), np.array(plain_last), rtol=1e-5, atol=1e-5)
+
+
+@cpu_with_blas
+def test_replaced_head_weight_is_never_read_from_stale_blocks(checkpoints):
+    model = models.load(str(checkpoints / "f32"), tokenizer=False)
+    graph = model.graph
+    h = mx.random.normal((1, 1, graph.config.hidden_size), key=mx.random.key(3))
+    graph.embed_tokens.weight = graph.embed_tokens.weight * 2  # e.g. new weights loaded
+    want = graph.embed_tokens.as_linear(h)
+    assert mx.array_equal(fused.head_product(graph, h), want).item()
