@@ -171,6 +171,8 @@ def test_split_head_and_parallel_mlp_keep_the_numbers(checkpoints, monkeypatch):
     ids = [[2, 17, 99, 4, 56, 200, 31, 7]]
     prompt = [2, 17, 99, 4, 56, 200, 31]
     split_tokens = list(generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=24))
+    long_ids = [list(range(3, 40))]
+    split_prefill = model.logits(long_ids)  # 37 rows: the MLP's GELU split across the streams
     cache = model.make_cache()
     model.logits(ids[0][:-1], cache)
     split_last = model.logits(ids[0][-1:], cache)
@@ -180,6 +182,7 @@ def test_split_head_and_parallel_mlp_keep_the_numbers(checkpoints, monkeypatch):
     model.logits(ids[0][:-1], cache)
     plain_last = model.logits(ids[0][-1:], cache)
     assert split_tokens == plain_tokens
+    assert mx.array_equal(split_prefill, model.logits(long_ids)).item()
     # The head's two halves are summed: the same product up to float32 rounding.
     np.testing.assert_allclose(np.array(split_last), np.array(plain_last), rtol=1e-5, atol=1e-5)
 
