@@ -329,6 +329,20 @@ def spawn(stack: str, folder: Path, args, env: dict | None = None, options: dict
     return result
 
 
+def merge(old: dict | None, new: dict) -> dict:
+    """Pool a stack's runs over rounds (peak RSS: the largest)."""
+    if old is None or "error" in old:
+        return new
+    if "error" in new:
+        return old
+    merged = dict(new)
+    for key in ("prefill", "decode"):
+        merged[key] = old[key] + new[key]
+    merged["peak_rss_gb"] = max(old["peak_rss_gb"], new["peak_rss_gb"])
+    merged["runs"] = old["runs"] + new["runs"]
+    return merged
+
+
 def cell(values: list[float], digits: int = 1) -> str:
     med = statistics.median(values)
     if len(values) == 1:
@@ -369,6 +383,9 @@ def main() -> None:
     parser.add_argument("--models", default="gemma3,gemma4", help="comma-separated: gemma3, gemma4")
     parser.add_argument("--skip", default="", help="comma-separated stacks to leave out, e.g. 'llama.cpp,torch'")
     parser.add_argument("--ablations", action="store_true", help="our stack with each speed-up taken away (270M)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the whole list of stacks this many times, interleaved (a noisy box: "
+                             "a slow spell then hits every stack, not one); cells pool all runs")  # fmt: skip
     parser.add_argument("--only", default="", help="run only the rows whose name contains this text")
     parser.add_argument("--out", help="also write the tables (markdown) to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -382,7 +399,8 @@ def main() -> None:
     bandwidth = bandwidth_gbs()
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     load = os.getloadavg()[0]
-    out = [f"Prompt {args.prompt}, {args.gen} greedy tokens, median [range] of {args.runs} runs per process; "
+    out = [f"Prompt {args.prompt}, {args.gen} greedy tokens, median [range] of {args.runs} runs per process"
+           f"{f' x {args.rounds} interleaved rounds' if args.rounds > 1 else ''}; "
            f"memory-bandwidth ceiling measured now: {bandwidth:.1f} GB/s (numpy read, 2 threads, best of 7); load average "
            f"at start {load:.1f} on {os.cpu_count()} CPUs."]  # fmt: skip
     print(out[0], flush=True)
@@ -393,17 +411,19 @@ def main() -> None:
         mean_position = args.prompt + args.gen // 2
         kv_of = lambda item, c=config: kv_bytes_per_token(c, mean_position, item)  # noqa: E731
         rows = {}
-        plan = ABLATIONS.items() if args.ablations else ((s, (s, {}, {})) for s in STACKS)
-        for name, (stack, env, options) in plan:
-            if stack in skip or (key != "gemma3" and stack == "llama.cpp") or args.only not in name:
-                continue
-            if args.ablations and key != "gemma3":
-                break
-            if stack == "llama.cpp" and not _installed("llama_cpp"):
-                rows[name] = {"skipped": "llama-cpp-python is not installed (optional)"}
-                continue
-            print(f"  {title}: {name} ...", flush=True)
-            rows[name] = spawn(stack, folder, args, env, options)
+        plan = list(ABLATIONS.items()) if args.ablations else [(s, (s, {}, {})) for s in STACKS]
+        for round_ in range(args.rounds):
+            for name, (stack, env, options) in plan:
+                if stack in skip or (key != "gemma3" and stack == "llama.cpp") or args.only not in name:
+                    continue
+                if args.ablations and key != "gemma3":
+                    break
+                if stack == "llama.cpp" and not _installed("llama_cpp"):
+                    rows[name] = {"skipped": "llama-cpp-python is not installed (optional)"}
+                    continue
+                print(f"  {title}: {name} (round {round_ + 1}/{args.rounds}) ...", flush=True)
+                result = spawn(stack, folder, args, env, options)
+                rows[name] = merge(rows.get(name), result)
         if rows:
             text = table(title, rows, "ours (all on)" if args.ablations else "ours", bandwidth, kv_of)
             print(text, flush=True)

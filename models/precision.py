@@ -6,8 +6,8 @@
 - **CPU with a fast BLAS** (``zoo_blas``: MKL or OpenBLAS on Linux, Accelerate on macOS): float32.
   MLX's CPU matmuls reach the BLAS only in float32 (one ``cblas_sgemm`` per product); bf16 and
   fp16 products run MLX's own loops at 2-4 GB/s, so a bf16 checkpoint is upcast on load. Measured
-  on the 2-core reference box (``docs/speed.md``): fp32 decodes ~5x and prefills ~20x faster than
-  bf16 on the real Gemma 3 270M.
+  on the 2-core box (``docs/speed.md``): fp32 decodes ~5x (24 vs 4.5 tok/s) and prefills ~14x
+  (378 vs 27 tok/s) faster than bf16 on the real Gemma 3 270M.
 - **CPU with MLX's bundled reference BLAS** (``GEMMA_ZOO_BLAS=off``, or no fast BLAS installed):
   the checkpoint's dtype. There the reference sgemm is slower than MLX's bf16 loops.
 
@@ -15,7 +15,7 @@ Upcasting doubles what the float weights take, so tables the model only *gathers
 (Gemma 4's per-layer embeddings, 2.3 G of E2B's parameters) keep the checkpoint's dtype: their
 rows are cast as they are read. And when the upcast model would not fit in half of the machine's
 memory, the checkpoint's dtype is kept and the reason stated. Quantized weights (integer tensors)
-are never touched here; their scales follow ``models.quantized_cpu``.
+are left to ``apply_quantized_policy`` (dequantized to float32 on the CPU by default).
 
 An explicit ``dtype`` ("float32", "bfloat16", "float16") casts every float weight, as before;
 ``dtype=None`` keeps the checkpoint's dtypes untouched.
@@ -166,7 +166,7 @@ def quantized_policy(graph: nn.Module) -> tuple[str, str]:
     MLX's CPU ``quantized_matmul`` is a scalar loop: with bf16 scales (what ``mlx_lm.convert -q``
     writes) the 270M decodes at ~0.6 tok/s, with float32 scales at ~5 tok/s, prefill ~10 tok/s.
     Dequantized to float32 once, the same layers run through the BLAS like any float32 checkpoint
-    (~16 tok/s decode, ~250 tok/s prefill) and give the same products up to summation order, at the
+    (~23 tok/s decode, ~390 tok/s prefill) and give the same products up to summation order, at the
     memory of float32 (4 bytes a weight instead of ~0.56 at 4 bits). ``auto`` dequantizes when the
     result fits in ``MEMORY_SHARE`` of the machine's memory, else keeps the packed weights with
     float32 scales (small and slow).
@@ -210,7 +210,8 @@ def relayout_head(graph: nn.Module) -> str | None:
 
     The head is ``h @ W.T``; with ``W.T`` contiguous the BLAS streams it as a plain ``[H, V]``
     operand, which on the 2-core box reads the 262,144 x 640 float32 head at ~26 GB/s instead of
-    ~22 (26 ms instead of 31 per token). ``W`` itself is still a ``[V, H]`` array (a strided view
+    ~22 (26 ms instead of 31 per token); two contiguous row blocks of it, one per CPU stream, take
+    14 ms (``models.fused.head_product``). ``W`` itself is still a ``[V, H]`` array (a strided view
     of the same memory), so embedding lookups, saving and every other use see the same values and
     no memory is added (the copy is made once, here).
     """
