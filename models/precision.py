@@ -234,7 +234,7 @@ def relayout_head(graph: nn.Module) -> str | None:
 
 
 def parallel_mlps(graph: nn.Module) -> str | None:
-    """Gate and up projections of every GeGLU MLP on two CPU streams for decode (``models.fused``)."""
+    """Every GeGLU MLP on two CPU streams: gate and up for decode, the GELU's rows for prefill (``models.fused``)."""
     from graphs.layers import GeGLUMLP
 
     from .fused import parallel_mlp
@@ -242,7 +242,7 @@ def parallel_mlps(graph: nn.Module) -> str | None:
     mlps = [m for _, m in graph.named_modules() if type(m) is GeGLUMLP]
     for m in mlps:
         parallel_mlp(m)
-    return f"{len(mlps)} MLPs: gate and up projections on two CPU streams for decode" if mlps else None
+    return f"{len(mlps)} MLPs on two CPU streams (decode: gate and up; prefill: the GELU)" if mlps else None
 
 
 def _quantized_leaves(graph: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -19,7 +19,9 @@ def run(code: str, env: dict | None = None) -> dict:
     """Run ``code`` in a fresh interpreter (the preload happens once per process); its last line is JSON."""
     import os
 
-    full_env = {**os.environ, **(env or {})}
+    # The outer setting (e.g. the whole suite run with GEMMA_ZOO_BLAS=off) is not what these tests test.
+    full_env = {k: v for k, v in os.environ.items() if k != zoo_blas.ENV}
+    full_env.update(env or {})
     out = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=full_env, capture_output=True, text=True, check=True
     )
