@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .attention import attend
+from .attention import attend, fold_queries, masked_softmax, unfold_queries
 
 Planes = tuple  # tuple[mx.array, ...], position axis -2
 
 
 class Dense:
-    """Keys and values as they come, attended by MLX's fused attention."""
+    """Keys and values as they come, attended by ``attention.attend`` (MLX's fused kernel off the CPU)."""
 
     quantized = False
 
@@ -86,22 +86,10 @@ class Quantized:
         return mx.dequantize(*planes, group_size=self.group_size, bits=self.bits)
 
     def attend(self, q: mx.array, keys: Planes, values: Planes, scale: float, mask) -> mx.array:
-        B, Hq, L, D = q.shape
-        Hkv = keys[0].shape[1]
-        groups = Hq // Hkv
         # GQA by folding each kv head's query heads into rows: the stored planes are used as they
         # are, never broadcast (a broadcast would copy the whole history once per query head).
-        q = (q * scale).reshape(B, Hkv, groups * L, D)
         quantized = dict(group_size=self.group_size, bits=self.bits)
-        scores = mx.quantized_matmul(q, *keys, transpose=True, **quantized).astype(mx.float32)
-        T = scores.shape[-1]
-        scores = scores.reshape(B, Hkv, groups, L, T)
-        if isinstance(mask, str):  # "causal": the last query aligned with the last key
-            mask = mx.arange(T - L, T)[:, None] >= mx.arange(T)[None]
-        if mask is not None:
-            if mask.ndim == 4:  # [B, 1, L, T] -> [B, 1, 1, L, T]
-                mask = mask[:, :, None]
-            scores = mx.where(mask, scores, -mx.inf)
-        probs = mx.softmax(scores, axis=-1).astype(q.dtype).reshape(B, Hkv, groups * L, T)
-        out = mx.quantized_matmul(probs, *values, transpose=False, **quantized)
-        return out.reshape(B, Hq, L, -1)
+        rows = fold_queries(q, scale, keys[0].shape[1])
+        scores = mx.quantized_matmul(rows, *keys, transpose=True, **quantized)
+        probs = masked_softmax(scores, mask, q.shape[2]).astype(q.dtype)
+        return unfold_queries(mx.quantized_matmul(probs, *values, transpose=False, **quantized), q.shape[1])

@@ -31,13 +31,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from cache import KVCache, RotatingKVCache
+from cache import KVCache, RotatingKVCache, cpu_math
 from models.diffusion_config import DiffusionGemmaConfig
 from models.gemma4_config import SLIDING
 
 from .gemma4_text import DecoderLayer
 from .gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower, encode_images
-from .layers import RMSNorm, RoPE, float_dtype, gelu_gated
+from .layers import RMSNorm, RoPE, float_dtype, gelu_gated, softcap
 
 ENCODER_READ, CANVAS_READ = "encoder", "canvas"
 
@@ -163,7 +163,7 @@ class DiffusionGemmaModel(nn.Module):
         The softmax runs in float32 and is rounded to the embedding dtype before the product, as
         in the reference."""
         table = self.embed_tokens
-        probs = mx.softmax(logits.astype(mx.float32), axis=-1).astype(float_dtype(table))
+        probs = cpu_math.softmax(logits).astype(float_dtype(table))
         if "scales" in table:  # a quantized table: the same product on the packed rows
             expected = mx.quantized_matmul(
                 probs, table.weight, table.scales, table.get("biases"), transpose=False,
@@ -181,7 +181,7 @@ class DiffusionGemmaModel(nn.Module):
         """The tied head in the weights' dtype, then float32 and ``cap * tanh(logits / cap)``."""
         out = self.embed_tokens.as_linear(h).astype(mx.float32)
         cap = self.config.text.final_logit_softcapping
-        return cap * mx.tanh(out / cap)
+        return softcap(out, cap)
 
     # ------------------------------------------------------------------------------ internals
     def _embed_scale(self) -> mx.array:

@@ -21,7 +21,7 @@ from models.fused import head_product, norm_rope
 from models.gemma3_config import SLIDING, Gemma3TextConfig
 from weights.quantize import is_quantized_entry, prepare_quantized
 
-from .layers import GeGLUMLP, RoPE, float_dtype
+from .layers import GeGLUMLP, RoPE, float_dtype, softcap
 
 # Where the text weights sit in each checkpoint layout, checked in this order ("model." is a prefix
 # of "model.language_model."): transformers Gemma3ForConditionalGeneration, mlx-vlm / older
@@ -167,7 +167,7 @@ class Gemma3TextModel(nn.Module):
         out = head_product(self, h)  # lm_head or the tied embedding; split across CPU streams (models.fused)
         cap = self.config.final_logit_softcapping
         if cap:
-            out = cap * mx.tanh(out / cap)
+            out = softcap(out, cap)
         return out
 
 

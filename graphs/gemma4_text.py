@@ -18,7 +18,7 @@ from cache import KVCache, RotatingKVCache
 from models.fused import head_product, norm_rope
 from models.gemma4_config import SLIDING, Gemma4TextConfig, LayerGeometry
 
-from .layers import Experts, GeGLUMLP, RMSNorm, RoPE, Router, scaled
+from .layers import Experts, GeGLUMLP, RMSNorm, RoPE, Router, gelu_gated, scaled, softcap
 
 # q_norm and k_norm take the place of 1/sqrt(head_dim).
 ATTENTION_SCALE = 1.0
@@ -105,7 +105,7 @@ class DecoderLayer(nn.Module):
             ff = self.post_feedforward_layernorm_1(ff) + self.post_feedforward_layernorm_2(routed)
         h = h + self.post_feedforward_layernorm(ff)
         if self.has_per_layer_input:
-            gated = nn.gelu_approx(self.per_layer_input_gate(h)) * per_layer_input
+            gated = gelu_gated(per_layer_input, self.per_layer_input_gate(h))
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return h * self.layer_scalar
 
@@ -213,5 +213,5 @@ class Gemma4TextModel(nn.Module):
         out = head_product(self, h)  # lm_head or the tied embedding; split across CPU streams (models.fused)
         cap = self.config.final_logit_softcapping
         if cap:
-            out = cap * mx.tanh(out / cap)
+            out = softcap(out, cap)
         return out

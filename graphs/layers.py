@@ -11,7 +11,10 @@ from typing import Any, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
+
+from cache import cpu_math
 
 
 def scaled(x: mx.array, factor: float) -> mx.array:
@@ -52,6 +55,13 @@ class RoPE(nn.Module):
     only the first ``int(partial_rotary_factor * D // 2)`` pairs rotate, with frequencies still
     computed over the full D (optionally divided by ``factor``); the remaining pairs get an infinite
     period, i.e. they are left unrotated. That is not "standard partial RoPE on the first dims".
+
+    ``mx.fast.rope`` is a fused kernel on a GPU; on the CPU it expands into ops that take the cos and
+    sin of every (position, frequency) in each call, with MLX's scalar loops (2 ms a layer for a
+    512-token chunk of the 270M). So on the CPU the rotation uses cos/sin tables of the reference's
+    frequencies (float64, rounded once), made once per (offset, length) and shared by every layer of
+    the same RoPE kind (the graphs make one object per kind). Decode steps use the same tables, so
+    cached and uncached forwards rotate identically; both are as close to float64 as the kernel.
     """
 
     def __init__(self, head_dim: int, params: Mapping[str, Any]):
@@ -59,22 +69,37 @@ class RoPE(nn.Module):
         self.head_dim = head_dim
         rope_type = params["rope_type"]
         theta = float(params["rope_theta"])
+        pairs = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
         if rope_type == "default":
             self._base, self._periods = theta, None
+            inv_freq = theta**-pairs
         elif rope_type == "proportional":
             rotated = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
             factor = float(params.get("factor", 1.0))
             periods = factor * theta ** (mx.arange(0, 2 * rotated, 2, dtype=mx.float32) / head_dim)
             still = mx.full((head_dim // 2 - rotated,), math.inf, dtype=mx.float32)
             self._base, self._periods = None, mx.concatenate([periods, still])
+            inv_freq = np.where(np.arange(head_dim // 2) < rotated, 1.0 / (factor * theta**pairs), 0.0)
         else:
             raise ValueError(f"RoPE: unsupported rope_type {rope_type!r}")
+        self._inv_freq = mx.array(inv_freq.astype(np.float32))
+        self._table_key, self._cos, self._sin = None, None, None
 
     def __call__(self, x: mx.array, offset: int) -> mx.array:
         """``x [B, H, L, D]`` at absolute positions ``offset .. offset + L - 1``."""
+        if cpu_math.active():
+            return cpu_math.rotate(x, *self.tables(offset, x.shape[-2]))
         return mx.fast.rope(
             x, self.head_dim, traditional=False, base=self._base, scale=1.0, offset=offset, freqs=self._periods
         )
+
+    def tables(self, offset: int, length: int) -> tuple[mx.array, mx.array]:
+        """float32 ``cos`` and ``sin`` ``[length, D/2]`` of positions ``offset ..``, kept for the next
+        call with the same positions (the other layers of this kind in the same forward)."""
+        if self._table_key != (offset, length):
+            angles = mx.arange(offset, offset + length, dtype=mx.float32)[:, None] * self._inv_freq[None]
+            self._table_key, self._cos, self._sin = (offset, length), mx.cos(angles), mx.sin(angles)
+        return self._cos, self._sin
 
 
 def float_dtype(module: nn.Module) -> mx.Dtype:
@@ -84,8 +109,14 @@ def float_dtype(module: nn.Module) -> mx.Dtype:
 
 
 def gelu_gated(up: mx.array, gate: mx.array) -> mx.array:
-    """GeGLU's gating with the tanh GELU (``gelu_pytorch_tanh``), in SwitchGLU's (up, gate) order."""
-    return nn.gelu_approx(gate) * up
+    """GeGLU's gating with the tanh GELU (``gelu_pytorch_tanh``), in SwitchGLU's (up, gate) order:
+    MLX's ``nn.gelu_approx``, on the CPU a vectorised equivalent (``cache.cpu_math``)."""
+    return cpu_math.gelu_gated(up, gate)
+
+
+def softcap(x: mx.array, cap: float) -> mx.array:
+    """Gemma's logit softcapping ``cap * tanh(x / cap)`` (vectorised tanh on the CPU, ``cache.cpu_math``)."""
+    return cap * cpu_math.tanh(x / cap)
 
 
 class GeGLUMLP(nn.Module):

@@ -24,6 +24,8 @@ import zoo_blas  # noqa: F401  (before mlx)
 
 import mlx.core as mx
 
+from cache import cpu_math
+
 ENV = "GEMMA_ZOO_COMPILE"
 STREAMS_ENV = "GEMMA_ZOO_STREAMS"
 
@@ -51,19 +53,27 @@ def _norm_rope(x, weight, offset, freqs, eps, plus_one, dims, base):
     return mx.fast.rope(y, dims, traditional=False, base=base, scale=1.0, offset=offset, freqs=freqs)
 
 
+def _norm_rotate(x, weight, cos, sin, eps, plus_one):
+    return cpu_math.rotate_half(_norm(x, weight, eps, plus_one), cos, sin)
+
+
 _compiled = mx.compile(_norm_rope)
+_compiled_cpu = mx.compile(_norm_rotate)
 
 
 def norm_rope(x: mx.array, norm, rope, offset: int, plus_one: bool) -> mx.array:
     """``rope(norm(x), offset)`` for ``x [B, heads, L, D]``; compiled for single positions.
 
     ``norm`` is a Gemma RMSNorm module (``weight`` and ``eps``; Gemma 2/3 scale by ``1 + weight``:
-    ``plus_one``), ``rope`` a ``graphs.layers.RoPE``. Other shapes, or ``GEMMA_ZOO_COMPILE=0``, call
-    the modules as they are.
+    ``plus_one``), ``rope`` a ``graphs.layers.RoPE``: on the CPU it rotates by its cos/sin tables,
+    elsewhere through ``mx.fast.rope``. Other shapes, or ``GEMMA_ZOO_COMPILE=0``, call the modules
+    as they are.
     """
     if x.shape[-2] != 1 or not enabled():
         return rope(norm(x), offset)
     weight = norm.get("weight") if hasattr(norm, "get") else None
+    if cpu_math.active():
+        return _compiled_cpu(x, weight, *rope.tables(offset, 1), norm.eps, plus_one)
     return _compiled(x, weight, mx.array(offset, dtype=mx.int32), rope._periods, norm.eps, plus_one, rope.head_dim, rope._base)
 
 
@@ -122,10 +132,11 @@ _parallel_mlp_class = None
 
 
 def parallel_mlp(mlp) -> None:
-    """Let a ``graphs.layers.GeGLUMLP`` use both cores: for a few rows (decode) its gate and up
-    projections run on two CPU streams (each core streams one weight); for many rows (prefill) the
-    GELU, MLX's single-threaded tanh loop, runs half of the rows on each stream. Same parameters, same ops and results; only the class of this one instance changes
-    (to a subclass made here on first use: ``graphs`` imports this module, so not at import)."""
+    """Let a ``graphs.layers.GeGLUMLP`` use both cores in decode: for a few rows its gate and up
+    projections run on two CPU streams (each core streams one weight). Wider inputs (prefill) are
+    GEMMs the BLAS threads itself. Same parameters, same ops and results; only the class of this
+    one instance changes (to a subclass made here on first use: ``graphs`` imports this module, so
+    not at import)."""
     global _parallel_mlp_class
     from graphs.layers import GeGLUMLP, gelu_gated
 
@@ -133,25 +144,12 @@ def parallel_mlp(mlp) -> None:
 
         class ParallelGeGLUMLP(GeGLUMLP):
             def __call__(self, x: mx.array) -> mx.array:
-                if not streams_enabled():
+                if not streams_enabled() or x.size // x.shape[-1] > HEAD_SPLIT_MAX_ROWS:
                     return super().__call__(x)
-                rows = x.size // x.shape[-1]
-                main, other = cpu_streams(2)
-                if rows <= HEAD_SPLIT_MAX_ROWS:  # decode: one weight per core
-                    with mx.stream(other):
-                        up = self.up_proj(x)
-                    gate = self.gate_proj(x)
-                    return self.down_proj(gelu_gated(up, gate))
-                # prefill: the BLAS threads the products itself, but the tanh GELU is one
-                # single-threaded loop (a third of a 270M prefill): half of the rows per core.
-                up, gate = self.up_proj(x), self.gate_proj(x)
-                shape = up.shape
-                up, gate = up.reshape(rows, -1), gate.reshape(rows, -1)
-                half = rows // 2
-                with mx.stream(other):
-                    second = gelu_gated(up[half:], gate[half:])
-                first = gelu_gated(up[:half], gate[:half])
-                return self.down_proj(mx.concatenate([first, second]).reshape(shape))
+                with mx.stream(cpu_streams(2)[1]):
+                    up = self.up_proj(x)
+                gate = self.gate_proj(x)
+                return self.down_proj(gelu_gated(up, gate))
 
         _parallel_mlp_class = ParallelGeGLUMLP
     if type(mlp) is GeGLUMLP:

@@ -34,6 +34,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
+from cache import cpu_math
+
 from .fused import HeadBlocks
 
 AUTO = "auto"
@@ -139,11 +141,14 @@ QUANT_CHOICES = ("auto", "dequantize", "fp32-scales", "as-stored")
 def prepare(graph: nn.Module, precision: Precision) -> list[str]:
     """Make a loaded graph fast on the device it will run on; returns what was done, one line each.
 
-    On the CPU with a fast BLAS: quantized layers follow ``quantized_policy`` (dequantized to
+    On the CPU the element-wise kernels of ``cache.cpu_math`` are in use (noted). With a fast BLAS
+    also: quantized layers follow ``quantized_policy`` (dequantized to
     float32 by default) and the output head is laid out for the BLAS (``relayout_head``). On a GPU,
     or without a fast BLAS, nothing changes.
     """
     notes: list[str] = []
+    if cpu_math.active():
+        notes.append(f"CPU kernels: vectorised exp (softmax), tanh (GELU, softcap), RoPE tables ({cpu_math.ENV}=0: MLX's ops)")
     if not on_cpu() or not fast_cpu_blas():
         return notes
     if precision.auto:  # an explicit dtype is the user's choice for the scales too
@@ -234,7 +239,7 @@ def relayout_head(graph: nn.Module) -> str | None:
 
 
 def parallel_mlps(graph: nn.Module) -> str | None:
-    """Every GeGLU MLP on two CPU streams: gate and up for decode, the GELU's rows for prefill (``models.fused``)."""
+    """Every GeGLU MLP's decode on two CPU streams: gate and up projections (``models.fused``)."""
     from graphs.layers import GeGLUMLP
 
     from .fused import parallel_mlp
@@ -242,7 +247,7 @@ def parallel_mlps(graph: nn.Module) -> str | None:
     mlps = [m for _, m in graph.named_modules() if type(m) is GeGLUMLP]
     for m in mlps:
         parallel_mlp(m)
-    return f"{len(mlps)} MLPs on two CPU streams (decode: gate and up; prefill: the GELU)" if mlps else None
+    return f"{len(mlps)} MLPs on two CPU streams (decode: gate and up)" if mlps else None
 
 
 def _quantized_leaves(graph: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -127,8 +127,13 @@ def test_bf16_weights_track_the_reference(tmp_path):
     with torch.no_grad():
         expected = reference(torch.tensor(ids)).logits.float().numpy()
     got = np.array(ours(mx.array(ids)).astype(mx.float32))
-    assert np.abs(got - expected).max() < 0.1
-    assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.95
+    assert np.abs(got - expected).max() < 0.1 and np.abs(got - expected).mean() < 0.02
+    # Same argmax wherever the reference's own bf16 logits decide it: a top-2 margin of a bf16 ulp
+    # or two (ties included, which random tiny weights produce) flips with any rounding order.
+    top2 = np.sort(expected, axis=-1)[..., -2:]
+    decided = top2[..., 1] - top2[..., 0] > 1 / 32
+    assert decided.mean() > 0.75
+    np.testing.assert_array_equal(got.argmax(-1)[decided], expected.argmax(-1)[decided])
 
 
 def test_key_layouts_and_errors(tmp_path):
