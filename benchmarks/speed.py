@@ -43,6 +43,7 @@ STACKS = ("ours", "mlx-lm stock", "mlx-lm + BLAS", "torch", "llama.cpp")
 # name -> (stack, extra environment, child options); the ablations run on the 270M only.
 ABLATIONS = {
     "ours (all on)": ("ours", {}, {}),
+    "MLX's exp, tanh and RoPE on the CPU (GEMMA_ZOO_FAST_MATH=0)": ("ours", {"GEMMA_ZOO_FAST_MATH": "0"}, {}),
     "no compiled decode pieces (GEMMA_ZOO_COMPILE=0)": ("ours", {"GEMMA_ZOO_COMPILE": "0"}, {}),
     "one CPU stream: head and MLP not split (GEMMA_ZOO_STREAMS=0)": ("ours", {"GEMMA_ZOO_STREAMS": "0"}, {}),
     "head neither transposed nor split": ("ours", {}, {"no_relayout": True}),
@@ -161,7 +162,7 @@ def setup(stack: str, folder: Path, options: dict) -> dict:
         notes = [f"{blas['name']} {blas['version'] or ''}".strip(), model.precision.describe().split(" (")[0],
                  *(n.split(" (")[0].split(":")[0] for n in model.device_notes)]
         return {"model": model, "sync": options.get("sync", False), "weight_bytes": nbytes,
-                "item_bytes": dtype.size, "notes": " | ".join(notes)}  # fmt: skip
+                "item_bytes": dtype.size, "notes": "; ".join(notes)}  # fmt: skip
     if stack in ("mlx-lm stock", "mlx-lm + BLAS"):
         if stack == "mlx-lm + BLAS":
             import zoo_blas  # noqa: F401  (before mlx, as ours)

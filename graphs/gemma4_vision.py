@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from cache.attention import attend
 from graphs.layers import RMSNorm, gelu_gated
 from models.gemma4_vision_config import Gemma4VisionConfig
 
@@ -102,7 +103,7 @@ class VisionAttention(nn.Module):
         k = apply_axial_rope(self.k_norm(self.k_proj(x).reshape(shape)), *rope)
         v = self.v_norm(self.v_proj(x).reshape(shape))
         q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0)
+        out = attend(q, k, v, 1.0, None)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
 

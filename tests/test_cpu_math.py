@@ -9,7 +9,7 @@ import pytest
 import mlx.core as mx
 
 from cache import cpu_math
-from cache.attention import attend
+from cache.attention import CAUSAL_SPLIT_MIN, attend
 from graphs.layers import RoPE, gelu_gated, softcap
 
 pytestmark = pytest.mark.skipif(not cpu_math.active(), reason="the polynomial kernels run on the CPU only")
@@ -99,17 +99,20 @@ def test_rope_tables_are_shared_per_positions_and_proportional_pairs_stay():
     assert float(mx.abs(out - want).max()) < 1e-5
 
 
-@pytest.mark.parametrize("mask_kind", [None, "causal", "window", "blocks"])
+@pytest.mark.parametrize("mask_kind", [None, "causal", "window", "blocks", "causal split", "causal split, cached"])
 @pytest.mark.parametrize("heads", [(4, 1), (4, 2), (2, 2)])
 def test_attend_on_the_cpu_equals_mlx_fused_attention(mask_kind, heads):
     Hq, Hkv = heads
-    B, L, T, D = 2, 9, 9 if mask_kind == "causal" else 20, 16
+    L = CAUSAL_SPLIT_MIN + 3 if "split" in str(mask_kind) else 9  # a causal chunk this long goes in two halves
+    B, T, D = 2, {"causal": L, "causal split": L, "causal split, cached": L + 40}.get(mask_kind, 20), 16
     keys = mx.random.key(Hq * 10 + Hkv)
     q, k, v = (mx.random.normal(s, key=kk) for s, kk in zip([(B, Hq, L, D), (B, Hkv, T, D), (B, Hkv, T, D)], mx.random.split(keys, 3)))
     qpos, kpos = mx.arange(T - L, T)[:, None], mx.arange(T)[None]
     mask = {
         None: None,
         "causal": "causal",
+        "causal split": "causal",
+        "causal split, cached": "causal",
         "window": (kpos <= qpos) & (kpos > qpos - 4),
         "blocks": mx.broadcast_to(((kpos <= qpos) | (kpos < 3))[None, None], (B, 1, L, T)),
     }[mask_kind]
