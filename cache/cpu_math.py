@@ -1,12 +1,13 @@
-"""exp, softmax and the tanh GELU as compiled float32 polynomial chains, for MLX's CPU backend.
+"""exp (softmax), tanh (GELU, softcap) and RoPE as compiled float32 chains, for MLX's CPU backend.
 
-On Linux, MLX's CPU ``exp`` and ``tanh`` are scalar loops (~10 ns an element: its SIMD layer has
-no x86 vector type), while a chain of element-wise multiplies and adds compiled by ``mx.compile``
-becomes one vectorised C++ kernel. In a 512-token prefill of the real Gemma 3 270M that made the
-attention softmax and the MLP's tanh GELU ~40% of the time (10 and 24 ms per layer of a 68 ms
-layer; torch does each in under 1 ms). The functions here compute the same values as polynomials
-that compile to vector code: softmax 10 -> 3.5 ms, GELU 24 -> 1.6 ms per layer (measured on the
-2-core box; ``docs/speed.md``).
+On Linux, MLX's CPU ``exp``, ``tanh``, ``cos`` and ``sin`` are scalar loops (~10 ns an element:
+its SIMD layer has no x86 vector type), while a chain of element-wise multiplies and adds compiled
+by ``mx.compile`` becomes one vectorised C++ kernel. In a 512-token prefill of the real Gemma 3
+270M that made the attention softmax, the MLP's tanh GELU and RoPE's cos/sin ~45% of the time
+(10, 24 and 3 ms per layer of a 68 ms layer; torch does each in under 1 ms). The functions here
+compute the same values as polynomials that compile to vector code, and RoPE rotates by tables
+made once per forward: softmax 10 -> ~4 ms, GELU 24 -> 1.6 ms, RoPE 3 -> 1 ms per layer (2-core
+box; ``docs/speed.md``).
 
 Accuracy (float32, checked in ``tests/test_cpu_math.py`` against float64): ``exp`` within 1e-7
 relative (Cephes' ``expf``: round to a power of two, degree-7 polynomial; MLX's own CPU ``exp`` is
@@ -112,9 +113,9 @@ def _tanh_f32(x: mx.array) -> mx.array:
 
 
 @partial(mx.compile, shapeless=True)
-def _gelu_f32(x: mx.array) -> mx.array:
-    g = x.astype(mx.float32)
-    return (0.5 * g * (1.0 + _tanh(_GELU_C * (g + 0.044715 * g * g * g)))).astype(x.dtype)
+def _gelu_gated(up: mx.array, gate: mx.array) -> mx.array:
+    g = gate.astype(mx.float32)
+    return (0.5 * g * (1.0 + _tanh(_GELU_C * (g + 0.044715 * g * g * g)))).astype(gate.dtype) * up
 
 
 def tanh(x: mx.array) -> mx.array:
@@ -127,7 +128,7 @@ def gelu_gated(up: mx.array, gate: mx.array) -> mx.array:
     on the CPU the GELU is computed in float32 and rounded once to ``gate``'s dtype, as torch does."""
     if not active():
         return nn.gelu_approx(gate) * up
-    return _gelu_f32(gate) * up
+    return _gelu_gated(up, gate)
 
 
 # ---------------------------------------------------------------------------------------- RoPE
