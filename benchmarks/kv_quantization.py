@@ -27,7 +27,7 @@ def run_ours(path: str, prompt: list[int], gen: int, bits: int | None):
 
     import models
     from models.generate import KVQuantization, generate_tokens
-    from models.model import owning_caches
+    from cache import owning_caches
 
     model = models.load(path, tokenizer=False)
     cache = model.make_cache()

@@ -25,6 +25,26 @@ def cache_from_state(state: dict) -> AttentionCache:
     return KINDS[kind].from_state(state)
 
 
+def owning_caches(cache: list) -> list:
+    """The caches of a model's layer list that own storage (KV-shared views follow their donors)."""
+    return [c for c in cache if not isinstance(c, SharedView)]
+
+
+def cache_offset(cache: list) -> int:
+    """How many positions a model's layer caches hold (0 for an empty list)."""
+    return owning_caches(cache)[0].offset if cache else 0
+
+
+def trim_cache(cache: list, n: int) -> bool:
+    """Drop the newest ``n`` positions from every layer, all or none; False if any layer cannot."""
+    layers = owning_caches(cache)
+    if not all(c.can_trim(n) for c in layers):
+        return False
+    for c in layers:
+        c.trim(n)
+    return True
+
+
 __all__ = [
     "AttentionCache",
     "KVCache",
@@ -34,5 +54,8 @@ __all__ = [
     "SharedView",
     "KINDS",
     "cache_from_state",
+    "cache_offset",
+    "owning_caches",
+    "trim_cache",
     "quantize_caches",
 ]

@@ -21,9 +21,11 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
+from cache import owning_caches, trim_cache
+
 from .generate import DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions
 from .image_prompt import ImageSpan, Prompt, expand_image_placeholders
-from .model import Model, owning_caches, trim_cache
+from .model import Model
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

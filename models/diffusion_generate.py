@@ -34,6 +34,7 @@ from typing import Iterator, Protocol, Sequence
 import mlx.core as mx
 import numpy as np
 
+from cache import cpu_math
 from graphs.layers import float_dtype
 
 from .diffusion_config import DiffusionGenerationConfig
@@ -139,8 +140,8 @@ class Finished:
 # ----------------------------------------------------------------------------- algorithm pieces
 def entropy(logits: mx.array) -> mx.array:
     """Per-position entropy (nats) of ``softmax(logits)``, in float32."""
-    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    return -(mx.exp(logp) * logp).sum(axis=-1)
+    logp = cpu_math.log_softmax(logits)
+    return -(cpu_math.softmax(logits) * logp).sum(axis=-1)
 
 
 def entropy_bound_accept(entropies: mx.array, bound: float) -> mx.array:

@@ -8,7 +8,7 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
-from cache import SharedView
+from cache import cache_offset
 
 from .generate import DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions, generate_tokens
 from .image_processor import DEFAULT_MAX_SOFT_TOKENS, Gemma4ImageProcessor, ImageInput, ProcessedImage
@@ -191,24 +191,3 @@ class Model:
 
     def generate(self, prompt: str | Sequence[int] | Prompt, **options) -> str:
         return "".join(chunk.text for chunk in self.stream(prompt, **options))
-
-
-def owning_caches(cache: list) -> list:
-    """The caches that own storage (KV-shared views are skipped: they follow their donors)."""
-    return [c for c in cache if not isinstance(c, SharedView)]
-
-
-def cache_offset(cache) -> int:
-    if not cache:
-        return 0
-    return owning_caches(cache)[0].offset
-
-
-def trim_cache(cache: list, n: int) -> bool:
-    """Drop the newest ``n`` positions from every layer, all or none; False if any layer cannot."""
-    layers = owning_caches(cache)
-    if not all(c.can_trim(n) for c in layers):
-        return False
-    for c in layers:
-        c.trim(n)
-    return True

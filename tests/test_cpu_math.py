@@ -41,6 +41,17 @@ def test_softmax_matches_float64_and_masks_exactly(shape):
     assert np.abs(got.sum(-1) - 1).max() < 1e-6
 
 
+def test_log_softmax_matches_float64():
+    logits = (np.random.default_rng(5).standard_normal((2, 3, 70_000)) * 8).astype(np.float32)
+    x = logits.astype(np.float64)
+    top = x.max(-1, keepdims=True)
+    want = x - (top + np.log(np.exp(x - top).sum(-1, keepdims=True)))
+    got = np.array(cpu_math.log_softmax(mx.array(logits)))
+    mlx_own = np.array(mx.array(logits) - mx.logsumexp(mx.array(logits), axis=-1, keepdims=True))
+    # float32 rounding of values near -50 (ulp 4e-6), no worse than MLX's logsumexp
+    assert got.dtype == np.float32 and np.abs(got - want).max() <= np.abs(mlx_own - want).max() + 1e-6
+
+
 def test_softmax_of_bf16_scores_is_float32():
     scores = mx.random.normal((2, 300), key=mx.random.key(1)).astype(mx.bfloat16)
     got = cpu_math.softmax(scores)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from models.generate import KVQuantization, prefill
-from models.model import cache_offset
+from cache import cache_offset
 
 torch = pytest.importorskip("torch")
 

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import models  # noqa: E402
-from models.generate import SamplingOptions, generate_tokens  # noqa: E402
+from models.generate import GenerationStats, SamplingOptions, generate_tokens  # noqa: E402
 from tests import hf_tiny  # noqa: E402
 
 
@@ -44,6 +44,36 @@ def test_greedy_generation_equals_reference_argmax(checkpoint):
     with torch.no_grad():
         ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None)
     assert ours == ref[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("temp", [0.0, 0.8])
+def test_overlapped_and_read_first_loops_agree(checkpoint, temp):
+    """The overlapped loop (the default off the CPU) queues the step feeding a token before reading
+    it and trims that step off when the token stops: same tokens, same cache, same finish reason."""
+    folder, _ = checkpoint
+    model = models.load(str(folder), tokenizer=False)
+    prompt = [2, 17, 99, 4, 56, 200, 31]
+    greedy = list(generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=20))
+    stop = {greedy[6]}
+    cases = [dict(max_tokens=9), dict(max_tokens=20, stop_ids=stop), dict(max_tokens=20, stop_ids={greedy[9]})]
+    for kwargs in cases:
+        runs = []
+        for overlap in (False, True):
+            cache, stats = model.make_cache(), GenerationStats()
+            sampling = SamplingOptions(temp=temp, seed=3)
+            tokens = list(generate_tokens(model.forward, prompt, cache, sampling=sampling, stats=stats,
+                                          overlap=overlap, **kwargs))  # fmt: skip
+            runs.append((tokens, [c.offset for c in cache], stats.finish_reason))
+        assert runs[0] == runs[1], kwargs
+        tokens, offsets, _ = runs[0]
+        assert set(offsets) == {len(prompt) + len(tokens)}  # every yielded id fed, a stop id never
+    # an interrupt after the third token: nothing past it is fed
+    for overlap in (False, True):
+        cache, seen = model.make_cache(), []
+        stream = generate_tokens(model.forward, prompt, cache, max_tokens=20, overlap=overlap,
+                                 should_stop=lambda: len(seen) >= 3)  # fmt: skip
+        seen.extend(stream)
+        assert seen == greedy[:3] and cache[0].offset == len(prompt) + 3
 
 
 def test_dtype_option_casts_weights(checkpoint):
