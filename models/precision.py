@@ -171,7 +171,7 @@ def quantized_policy(graph: nn.Module) -> tuple[str, str]:
     MLX's CPU ``quantized_matmul`` is a scalar loop: with bf16 scales (what ``mlx_lm.convert -q``
     writes) the 270M decodes at ~0.6 tok/s, with float32 scales at ~5 tok/s, prefill ~10 tok/s.
     Dequantized to float32 once, the same layers run through the BLAS like any float32 checkpoint
-    (~23 tok/s decode, ~390 tok/s prefill) and give the same products up to summation order, at the
+    (~24 tok/s decode, ~600 tok/s prefill) and give the same products up to summation order, at the
     memory of float32 (4 bytes a weight instead of ~0.56 at 4 bits). ``auto`` dequantizes when the
     result fits in ``MEMORY_SHARE`` of the machine's memory, else keeps the packed weights with
     float32 scales (small and slow).
