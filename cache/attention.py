@@ -4,8 +4,9 @@ On a GPU (and with ``GEMMA_ZOO_FAST_MATH=0``) attention is MLX's fused kernel. O
 kernel has no implementation of its own: it falls back to matmuls around ``mx.softmax``, whose
 scalar ``exp`` was 60% of a 512-token prefill's attention on the real 270M. There ``attend`` runs
 the same products itself, with GQA folded into rows (one product per kv head, the stored keys never
-broadcast) and ``cache.cpu_math.softmax``: 16.7 -> 9 ms per layer. A single query (decode) keeps
-MLX's kernel, which was faster there (23.0 vs 21.5 tok/s on the 270M).
+broadcast) and ``cache.cpu_math.softmax``, in blocks of queries (``BLOCK_SCORES``; a causal
+block skips the keys after its last query): 16.7 -> 9 ms per 270M layer. A single query (decode)
+keeps MLX's kernel, which was faster there (23.0 vs 21.5 tok/s on the 270M).
 """
 
 from __future__ import annotations
@@ -15,25 +16,35 @@ import mlx.core as mx
 from . import cpu_math
 
 
-# A causal chunk at least this long is attended in two halves of queries (below).
-CAUSAL_SPLIT_MIN = 128
+# Scores per block of queries on the CPU. MLX's CPU kernels slow down sharply past ~0.5M elements
+# an array (the vectorised exp over 2048 x 512 scores: 2-4 ms; 4096 x 512: 13-40 ms, on the 2-core
+# box), so a chunk's queries are attended in blocks of at most this many scores. Measured (512-token
+# prefill, interleaved): 2^17 against no blocks, E2B-shaped Gemma 4 1130 -> 1737 tok/s, Gemma 3
+# 270M 513 -> 546; 2^16 and 2^18 were within noise of 2^17, 2^19 slower.
+BLOCK_SCORES = 1 << 17
 
 
 def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
     """``softmax(q k^T * scale + mask) v`` with GQA; ``mask`` as ``cache.masks`` builds it."""
     if q.shape[2] == 1 or not cpu_math.active():
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    L, T = q.shape[2], keys.shape[2]
-    if isinstance(mask, str) and L >= CAUSAL_SPLIT_MIN:
-        # "causal" aligns the last query with the last key, so the first half of the queries sees
-        # only the keys up to its own last one: the products skip the masked upper-right block (a
-        # quarter of the work when the chunk is the whole prompt).
-        half = L // 2
-        seen = T - (L - half)
-        top = _attend_rows(q[:, :, :half], keys[:, :, :seen], values[:, :, :seen], scale, mask)
-        bottom = _attend_rows(q[:, :, half:], keys, values, scale, mask)
-        return mx.concatenate([top, bottom], axis=2)
-    return _attend_rows(q, keys, values, scale, mask)
+    B, Hq, L, _ = q.shape
+    T = keys.shape[2]
+    block = max(1, BLOCK_SCORES // (B * Hq * T))
+    if block >= L:
+        return _attend_rows(q, keys, values, scale, mask)
+    outs = []
+    for start in range(0, L, block):
+        end = min(L, start + block)
+        if isinstance(mask, str):
+            # "causal" aligns the last query with the last key, so a block of queries sees only the
+            # keys up to its own last one: the products skip the masked upper-right part.
+            seen = T - (L - end)
+            outs.append(_attend_rows(q[:, :, start:end], keys[:, :, :seen], values[:, :, :seen], scale, mask))
+        else:
+            rows = None if mask is None else mask[..., start:end, :]
+            outs.append(_attend_rows(q[:, :, start:end], keys, values, scale, rows))
+    return mx.concatenate(outs, axis=2)
 
 
 def _attend_rows(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
