@@ -4,7 +4,8 @@
 ``QuantizedKVCache`` and ``RotatingQuantizedKVCache`` are the same on quantized storage. Each offers
 the per-graph reads (``decode``, ``window``, ``vision_prefill``, ``encoder``, ``canvas``, and
 ``bidirectional`` for encoder-only configs), ``shared_view()`` for KV-shared layers, trims, and
-``state`` / ``from_state``.
+``state`` / ``from_state``. ``check_caches`` checks a model's cache list against the
+``CacheSpec`` of each layer.
 """
 
 import zoo_blas  # noqa: F401  (first: loads a fast BLAS before anything imports MLX; see zoo_blas.py)
@@ -13,12 +14,15 @@ from .base import AttentionCache, SharedView
 from .full import KVCache, QuantizedKVCache
 from .quantize import quantize_caches
 from .rotating import RotatingKVCache, RotatingQuantizedKVCache
+from .spec import CacheSpec, check_caches
 
 KINDS = {cls.kind: cls for cls in (KVCache, RotatingKVCache, QuantizedKVCache, RotatingQuantizedKVCache)}
 
 
 def cache_from_state(state: dict) -> AttentionCache:
     """Rebuild a cache from its ``state``; an unknown kind is an error, never a fallback."""
+    if not isinstance(state, dict):
+        raise ValueError(f"cache_from_state: state must be a dict (a cache's .state), got {type(state).__name__}")
     kind = state.get("kind")
     if kind not in KINDS:
         raise ValueError(f"cache_from_state: unknown cache kind {kind!r}; known kinds: {sorted(KINDS)}")
@@ -52,6 +56,8 @@ __all__ = [
     "QuantizedKVCache",
     "RotatingQuantizedKVCache",
     "SharedView",
+    "CacheSpec",
+    "check_caches",
     "KINDS",
     "cache_from_state",
     "cache_offset",

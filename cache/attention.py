@@ -11,6 +11,9 @@ keeps MLX's kernel, which was faster there (23.0 vs 21.5 tok/s on the 270M).
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import mlx.core as mx
 
 from . import cpu_math
@@ -84,12 +87,10 @@ def masked_softmax(scores: mx.array, mask, L: int) -> mx.array:
 
 
 def check_qkv(read: str, q: mx.array, k: mx.array, v: mx.array) -> None:
-    """Raise ``ValueError`` naming the argument, the expected and the actual value."""
+    """Raise ``ValueError`` naming the argument, the expected and the actual value (``TypeError``
+    for a non-floating dtype: integer or boolean attention inputs would give silently wrong sums)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, mx.array):
-            raise ValueError(f"{read}: {name} must be an mx.array, got {type(x).__name__}")
-        if x.ndim != 4:
-            raise ValueError(f"{read}: {name} must have rank 4 [B, H, L, D], got rank {x.ndim} shape {tuple(x.shape)}")
+        check_query(read, name, x)
     B, Hq, L, D = q.shape
     if k.shape[0] != B or v.shape[0] != B:
         raise ValueError(f"{read}: batch size of k {k.shape[0]} / v {v.shape[0]} must equal q's {B}")
@@ -108,10 +109,26 @@ def check_qkv(read: str, q: mx.array, k: mx.array, v: mx.array) -> None:
         raise ValueError(f"{read}: q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
+def check_query(read: str, name: str, x) -> None:
+    """One attention input: an ``mx.array`` of rank 4 ``[B, H, L, D]`` with a floating dtype."""
+    if not isinstance(x, mx.array):
+        raise ValueError(f"{read}: {name} must be an mx.array, got {type(x).__name__}")
+    if x.ndim != 4:
+        raise ValueError(f"{read}: {name} must have rank 4 [B, H, L, D], got rank {x.ndim} shape {tuple(x.shape)}")
+    if not mx.issubdtype(x.dtype, mx.floating):
+        raise TypeError(f"{read}: {name} must have a floating dtype (float32, float16, bfloat16), got {x.dtype}")
+
+
 def check_scale(read: str, scale) -> float:
+    """The softmax scale as a float: a finite positive real number (not a bool or a string)."""
     if scale is None:
         raise ValueError(f"{read}: scale is required (Gemma 4 uses 1.0)")
-    return float(scale)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise ValueError(f"{read}: scale must be a real number, got {type(scale).__name__} {scale!r}")
+    value = float(scale)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{read}: scale must be finite and > 0, got {scale!r}")
+    return value
 
 
 def check_blocks(read: str, blocks, B: int, L: int) -> mx.array:

@@ -14,14 +14,15 @@ buffer (which would stop MLX from updating the buffer in place).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from . import masks
-from .attention import check_blocks, check_qkv, check_scale
+from .attention import check_blocks, check_qkv, check_query, check_scale
 from .codecs import Dense, Planes
+from .spec import CacheSpec
 
 
 class Attended(NamedTuple):
@@ -33,6 +34,7 @@ class Attended(NamedTuple):
     keys: Planes
     values: Planes
     mask: object
+    geometry: tuple  # (B, Hkv, D, Dv, dtype) of the keys and values attended
 
 
 class AttentionCache:
@@ -112,14 +114,19 @@ class AttentionCache:
         scale = check_scale("canvas", scale)
         self._check_compatible("canvas", k, v)
         self._last = None
-        keys, values = self._canvas_keys(self.codec.encode(k), self.codec.encode(v), k, v)
-        self._last = Attended("canvas", q.shape[2], self.offset, keys, values, None)
+        keys, values = self._canvas_keys(self.codec.pack(k), self.codec.pack(v), k, v)
+        self._last = Attended("canvas", q.shape[2], self.offset, keys, values, None, _geometry(k, v))
         return self.codec.attend(q, keys, values, scale, None)
 
     # ------------------------------------------------------------------------------- shared layers
     def shared_view(self) -> "SharedView":
         """A view for KV-shared layers: the same reads, on what this cache attended in its last read."""
         return SharedView(self)
+
+    def spec(self, index_of: Callable[[object], int | None] | None = None) -> CacheSpec:
+        """What this cache is, for ``check_caches``: its kind and window (``index_of`` is used only
+        by shared views, to find their donor in a cache list)."""
+        return CacheSpec(self.kind, self.sliding_window)
 
     # ------------------------------------------------------------------------------ bookkeeping
     @property
@@ -133,7 +140,7 @@ class AttentionCache:
         if self.keys is None:
             return None, None
         n = self._rows
-        return self.codec.decode(rows(self.keys, 0, n)), self.codec.decode(rows(self.values, 0, n))
+        return self.codec.unpack(rows(self.keys, 0, n)), self.codec.unpack(rows(self.values, 0, n))
 
     @property
     def nbytes(self) -> int:
@@ -182,22 +189,64 @@ class AttentionCache:
 
     @classmethod
     def from_state(cls, state: dict) -> "AttentionCache":
+        """Rebuild a cache from its ``state``. Everything is checked before the cache is returned:
+        a state that is not a dict, of another kind, missing an entry, with settings or counters of
+        the wrong type, planes that disagree in shape or with the settings, a stored geometry that
+        does not match the planes, or counters the layout cannot produce raises ``ValueError``."""
+        if not isinstance(state, dict):
+            raise ValueError(f"from_state: state must be a dict (a cache's .state), got {type(state).__name__}")
         kind = state.get("kind")
         if kind != cls.kind:
             raise ValueError(f"from_state: state is of kind {kind!r}, expected {cls.kind!r}")
         missing = [name for name in ("offset", "keys", "values", *cls._config_names()) if name not in state]
         if missing:
             raise ValueError(f"from_state: the {kind!r} state lacks {missing}")
-        cache = cls(**{name: state[name] for name in cls._config_names()})
-        keys, values, offset = state["keys"], state["values"], int(state["offset"])
-        stored = 0 if keys is None else keys[0].shape[2]
-        if stored > offset:
-            raise ValueError(f"from_state: {stored} stored positions exceed the offset {offset}")
-        cache.keys, cache.values = (None, None) if keys is None else (tuple(keys), tuple(values))
-        cache._geometry = state.get("geometry") if keys is not None else None
-        cache._rows, cache.offset = stored, offset
-        cache._ends_in_image = state.get("ends_in_image")
+        where = f"from_state ({kind!r})"
+        for name in ("offset", *cls._config_names()):
+            value = state[name]
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise ValueError(f"{where}: {name} must be an int, got {type(value).__name__} {value!r}")
+        offset = int(state["offset"])
+        if offset < 0:
+            raise ValueError(f"{where}: offset must be >= 0, got {offset}")
+        cache = cls(**{name: int(state[name]) for name in cls._config_names()})  # checks the settings
+        keys, values = state["keys"], state["values"]
+        geometry = ends = None
+        stored = 0
+        if (keys is None) != (values is None):
+            raise ValueError(f"{where}: keys and values must both be stored or both be None")
+        if keys is not None:
+            keys, (B, Hkv, stored, D, dtype) = cache.codec.check_planes(where, "keys", keys)
+            values, (Bv, Hv, stored_v, Dv, dtype_v) = cache.codec.check_planes(where, "values", values)
+            if (Bv, Hv, stored_v, dtype_v) != (B, Hkv, stored, dtype):
+                raise ValueError(
+                    f"{where}: keys hold [B, Hkv, rows] = {[B, Hkv, stored]} of {dtype}, "
+                    f"values {[Bv, Hv, stored_v]} of {dtype_v}"
+                )
+            geometry = (B, Hkv, D, Dv, dtype)
+            given = state.get("geometry")
+            if given is not None and (not isinstance(given, (tuple, list)) or tuple(given) != geometry):
+                raise ValueError(f"{where}: geometry {given!r} does not match the stored planes' {geometry}")
+            ends = state.get("ends_in_image")
+            if ends is not None and (
+                not isinstance(ends, (list, tuple)) or len(ends) != B or not all(isinstance(e, (bool, np.bool_)) for e in ends)
+            ):
+                raise ValueError(f"{where}: ends_in_image must be None or {B} bools (one per row), got {ends!r}")
+        elif state.get("ends_in_image") is not None:
+            raise ValueError(f"{where}: ends_in_image is set on a state with no stored positions")
+        problem = cache._count_problem(stored, offset)
+        if problem:
+            raise ValueError(f"{where}: {problem}")
+        cache.keys, cache.values = keys, values
+        cache._geometry, cache._rows, cache.offset = geometry, stored, offset
+        cache._ends_in_image = None if ends is None else [bool(e) for e in ends]
         return cache
+
+    def _count_problem(self, stored: int, offset: int) -> str | None:
+        """Why ``stored`` rows after ``offset`` consumed positions cannot be this layout's, or None."""
+        if stored > offset:
+            return f"{stored} stored positions exceed the offset {offset}"
+        return None
 
     # ------------------------------------------------------------------------------- internals
     def _write_and_attend(self, read, q, k, v, scale, make_mask) -> mx.array:
@@ -207,11 +256,11 @@ class AttentionCache:
         self._ends_in_image = None
         q_start = self.offset
         if self._geometry is None:
-            self._geometry = (k.shape[0], k.shape[1], k.shape[3], v.shape[3], k.dtype)
-        keys, values, k_start = self._append(self.codec.encode(k), self.codec.encode(v), k, v)
+            self._geometry = _geometry(k, v)
+        keys, values, k_start = self._append(self.codec.pack(k), self.codec.pack(v), k, v)
         self.offset += k.shape[2]
         mask = make_mask(q_start, q.shape[2], k_start, keys[0].shape[2])
-        self._last = Attended(read, q.shape[2], self.offset, keys, values, mask)
+        self._last = Attended(read, q.shape[2], self.offset, keys, values, mask, self._geometry)
         return self.codec.attend(q, keys, values, scale, mask)
 
     def _check_compatible(self, read: str, k: mx.array, v: mx.array) -> None:
@@ -227,7 +276,10 @@ class AttentionCache:
         )
         for what, expected, got in checks:
             if expected != got:
-                raise ValueError(f"{read}: {what} {got} does not match the cache's {expected}")
+                raise ValueError(
+                    f"{read}: {what} {got} does not match the cache's {expected}: new k {tuple(k.shape)}, "
+                    f"v {tuple(v.shape)}; stored k [{B}, {Hkv}, *, {D}], v [{B}, {Hkv}, *, {Dv}]"
+                )
         if k.dtype != dtype:
             raise ValueError(f"{read}: k dtype {k.dtype} does not match the cache's {dtype}")
 
@@ -262,6 +314,11 @@ class AttentionCache:
         return ()
 
 
+def _geometry(k: mx.array, v: mx.array) -> tuple:
+    """``(B, Hkv, D, Dv, dtype)`` of new keys and values."""
+    return (k.shape[0], k.shape[1], k.shape[3], v.shape[3], k.dtype)
+
+
 def rows(planes: Planes, start: int, stop: int) -> Planes:
     return tuple(p[..., start:stop, :] for p in planes)
 
@@ -288,6 +345,13 @@ class SharedView:
     """
 
     def __init__(self, donor: AttentionCache):
+        if isinstance(donor, SharedView):
+            raise ValueError(
+                "SharedView: the donor is itself a shared view (it owns no keys and values and records "
+                "no reads); make the view from its donor cache instead"
+            )
+        if not isinstance(donor, AttentionCache):
+            raise TypeError(f"SharedView: the donor must be an AttentionCache, got {type(donor).__name__}")
         self.donor = donor
 
     @property
@@ -305,9 +369,24 @@ class SharedView:
     nbytes = 0
     bytes_per_token = 0
 
+    def shared_view(self) -> "SharedView":
+        """Refused: a view of a view would hide which cache owns the keys (and ``quantize_caches``
+        repoints only views of owning caches); make another view of the donor instead."""
+        raise ValueError(
+            f"shared_view: this is already a shared view (of a {self.donor.kind!r} cache); "
+            "call shared_view() on its donor cache instead"
+        )
+
+    def spec(self, index_of: Callable[[object], int | None] | None = None) -> CacheSpec:
+        """For ``check_caches``: the donor's window and its index given by ``index_of`` (None when
+        the donor is not in the list, or without ``index_of``)."""
+        return CacheSpec(self.kind, self.sliding_window, None if index_of is None else index_of(self.donor))
+
     def _replay(self, read: str, q: mx.array, k, v, scale) -> mx.array:
         if k is not None or v is not None:
             raise ValueError(f"{read}: a shared view takes only q; its keys and values come from the donor")
+        check_query(read, "q", q)
+        scale = check_scale(read, scale)
         last = self.donor._last
         if last is None or last.offset != self.donor.offset:
             raise ValueError(f"{read}: the donor cache has no read in this forward to share")
@@ -316,12 +395,18 @@ class SharedView:
                 f"{read}: the donor's last read was {last.read} of L={last.length}; "
                 f"this shared read is {read} of L={q.shape[2]}"
             )
+        B, Hkv, D, _, dtype = last.geometry
+        if q.shape[0] != B or q.shape[1] % Hkv or q.shape[3] != D or q.dtype != dtype:
+            raise ValueError(
+                f"{read}: q {tuple(q.shape)} of {q.dtype} does not fit the donor's keys [B={B}, Hkv={Hkv}, *, D={D}] "
+                f"of {dtype} (q needs the same B, D and dtype, and a multiple of Hkv heads)"
+            )
         mask = last.mask
         if q.shape[2] < last.length and isinstance(mask, mx.array):
             # Queries for only the newest positions (a KV-shared tail that needs just the last
             # outputs): their rows of the donor's mask. None and MLX's bottom-right "causal" hold as is.
             mask = mask[..., -q.shape[2] :, :]
-        return self.donor.codec.attend(q, last.keys, last.values, check_scale(read, scale), mask)
+        return self.donor.codec.attend(q, last.keys, last.values, scale, mask)
 
     def decode(self, q, k=None, v=None, *, scale):
         return self._replay("decode", q, k, v, scale)

@@ -1,8 +1,10 @@
 """How a cache stores one position's keys or values, and how it attends over what it stores.
 
 Storage is a tuple of arrays ("planes") whose position axis is -2: one plane for full precision,
-three (packed, scales, biases) for MLX's affine quantization. The caches' layout code (growth,
-compaction, trims) works on planes and never needs to know which codec it holds.
+three (packed, scales, biases) for MLX's affine quantization. ``pack`` turns keys or values into
+planes and ``unpack`` turns planes back (named so as not to collide with the ``decode`` read). The
+caches' layout code (growth, compaction, trims) works on planes and never needs to know which codec
+it holds.
 """
 
 from __future__ import annotations
@@ -25,14 +27,25 @@ class Dense:
     def check(self, read: str, k: mx.array, v: mx.array) -> None:
         pass
 
-    def encode(self, x: mx.array) -> Planes:
+    def check_planes(self, where: str, name: str, planes) -> tuple[Planes, tuple]:
+        """Stored planes from outside (a state): raise ``ValueError`` unless they are one floating
+        ``[B, H, rows, D]`` array; return them and ``(B, H, rows, D, dtype)``."""
+        (x,) = _plane_arrays(where, name, planes, ("array",))
+        if not mx.issubdtype(x.dtype, mx.floating):
+            raise ValueError(f"{where}: {name} must have a floating dtype, got {x.dtype}")
+        B, H, n, D = x.shape
+        return (x,), (B, H, n, D, x.dtype)
+
+    def pack(self, x: mx.array) -> Planes:
+        """Keys or values ``[B, H, L, D]`` as stored planes."""
         return (x,)
 
     def zeros(self, like: mx.array, rows: int) -> Planes:
         B, H, _, D = like.shape
         return (mx.zeros((B, H, rows, D), dtype=like.dtype),)
 
-    def decode(self, planes: Planes) -> mx.array:
+    def unpack(self, planes: Planes) -> mx.array:
+        """Stored planes back to keys or values ``[B, H, L, D]``."""
         return planes[0]
 
     def attend(self, q: mx.array, keys: Planes, values: Planes, scale: float, mask) -> mx.array:
@@ -71,7 +84,26 @@ class Quantized:
             if not mx.issubdtype(x.dtype, mx.floating):
                 raise ValueError(f"{read}: {name} must be floating point to be quantized, got {x.dtype}")
 
-    def encode(self, x: mx.array) -> Planes:
+    def check_planes(self, where: str, name: str, planes) -> tuple[Planes, tuple]:
+        """Stored planes from outside (a state): raise ``ValueError`` unless they are (packed uint32,
+        scales, biases) of one ``[B, H, rows]`` and a head dim D that fits ``bits`` and
+        ``group_size``; return them and ``(B, H, rows, D, dtype)``."""
+        packed, scales, biases = _plane_arrays(where, name, planes, ("packed", "scales", "biases"))
+        if packed.dtype != mx.uint32:
+            raise ValueError(f"{where}: {name} packed plane must be uint32, got {packed.dtype}")
+        if not mx.issubdtype(scales.dtype, mx.floating) or biases.dtype != scales.dtype:
+            raise ValueError(f"{where}: {name} scales and biases must share a floating dtype, got {scales.dtype}, {biases.dtype}")
+        D, rest = divmod(packed.shape[3] * 32, self.bits)
+        if rest or D % self.group_size or scales.shape[3] != D // self.group_size or biases.shape[3] != scales.shape[3]:
+            raise ValueError(
+                f"{where}: {name} planes {[tuple(p.shape) for p in (packed, scales, biases)]} do not fit "
+                f"{self.bits} bits and group size {self.group_size}"
+            )
+        B, H, n, _ = packed.shape
+        return (packed, scales, biases), (B, H, n, D, scales.dtype)
+
+    def pack(self, x: mx.array) -> Planes:
+        """Quantize ``[B, H, L, D]`` along D: (packed uint32, scales, biases)."""
         return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
 
     def zeros(self, like: mx.array, rows: int) -> Planes:
@@ -82,7 +114,8 @@ class Quantized:
             mx.zeros((B, H, rows, D // self.group_size), dtype=like.dtype),
         )
 
-    def decode(self, planes: Planes) -> mx.array:
+    def unpack(self, planes: Planes) -> mx.array:
+        """Dequantize (packed, scales, biases) back to ``[B, H, L, D]``."""
         return mx.dequantize(*planes, group_size=self.group_size, bits=self.bits)
 
     def attend(self, q: mx.array, keys: Planes, values: Planes, scale: float, mask) -> mx.array:
@@ -93,3 +126,17 @@ class Quantized:
         scores = mx.quantized_matmul(rows, *keys, transpose=True, **quantized)
         probs = masked_softmax(scores, mask, q.shape[2]).astype(q.dtype)
         return unfold_queries(mx.quantized_matmul(probs, *values, transpose=False, **quantized), q.shape[1])
+
+
+def _plane_arrays(where: str, name: str, planes, names: tuple) -> tuple:
+    """``planes`` as a tuple of rank-4 ``mx.array``s, one per name, sharing ``[B, H, rows]``."""
+    if not isinstance(planes, (tuple, list)) or len(planes) != len(names):
+        got = f"{len(planes)} planes" if isinstance(planes, (tuple, list)) else type(planes).__name__
+        raise ValueError(f"{where}: {name} must be a tuple of {len(names)} planes {names}, got {got}")
+    for plane, x in zip(names, planes):
+        if not isinstance(x, mx.array) or x.ndim != 4:
+            got = f"shape {tuple(x.shape)}" if isinstance(x, mx.array) else type(x).__name__
+            raise ValueError(f"{where}: {name} {plane} plane must be a rank-4 mx.array [B, H, rows, ...], got {got}")
+    if len({tuple(x.shape[:3]) for x in planes}) != 1:
+        raise ValueError(f"{where}: {name} planes disagree on [B, H, rows]: {[tuple(x.shape) for x in planes]}")
+    return tuple(planes)

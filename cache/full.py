@@ -36,6 +36,12 @@ class KVCache(AttentionCache):
     def can_trim(self, n: int) -> bool:
         return 0 <= n <= self._rows
 
+    def _count_problem(self, stored: int, offset: int) -> str | None:
+        problem = super()._count_problem(stored, offset)
+        if problem is None and stored != offset:
+            problem = f"a full-attention cache stores every position, but holds {stored} for the offset {offset}"
+        return problem
+
     def to_quantized(self, bits: int = 8, group_size: int = 64) -> "QuantizedKVCache":
         """A quantized twin holding the same positions (quantized once, here)."""
         twin = QuantizedKVCache(bits=bits, group_size=group_size, step=self.step)
@@ -109,7 +115,7 @@ def _copy_quantized(source: AttentionCache, twin: AttentionCache) -> None:
     if source.keys is not None and source._rows:
         keys, values = source.temporal()
         twin.codec.check("to_quantized", keys, values)
-        twin.keys, twin.values = twin.codec.encode(keys), twin.codec.encode(values)
+        twin.keys, twin.values = twin.codec.pack(keys), twin.codec.pack(values)
         twin._rows = source._rows
         twin._geometry = source._geometry
     twin.offset = source.offset

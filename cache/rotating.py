@@ -68,6 +68,20 @@ class RotatingKVCache(AttentionCache):
             return False
         return self._rows - n >= min(self.offset - n, self.sliding_window - 1)
 
+    def _count_problem(self, stored: int, offset: int) -> str | None:
+        # What reads and trims keep: never more than the capacity, and always the window's history.
+        problem = super()._count_problem(stored, offset)
+        if problem:
+            return problem
+        if stored > self.capacity:
+            return f"{stored} stored positions exceed the capacity {self.capacity} (window - 1 + slack + step)"
+        if stored < min(offset, self.sliding_window - 1):
+            return (
+                f"{stored} stored positions do not cover the window's history at offset {offset} "
+                f"(at least {min(offset, self.sliding_window - 1)} for the window of {self.sliding_window})"
+            )
+        return None
+
     def _trim_refusal(self, n: int) -> str:
         return (
             f"trim: cannot drop {n} positions exactly; {self._rows} stored, and at least "
