@@ -1,27 +1,36 @@
 """A fast BLAS for MLX's Linux CPU build, loaded before ``mlx.core`` is first imported.
 
 The ``mlx[cpu]`` wheel links ``libmlx.so`` against a bundled *reference* BLAS (``mlx_cpu.libs/
-libblas-*.so``, a few GFLOP/s). Every float32 matmul MLX runs on the CPU is one ``cblas_sgemm``
-call, resolved when ``libmlx.so`` is loaded. The dynamic linker searches the process's global
-scope before a library's own dependencies, so a BLAS loaded earlier with ``RTLD_GLOBAL`` supplies
-``cblas_sgemm`` (and the LAPACK routines) instead: no file of MLX is touched and nothing is rebuilt.
+libblas-*.so``). Every float32 matmul MLX runs on the CPU is one ``cblas_sgemm`` call, resolved
+when ``libmlx.so`` is loaded. The dynamic linker searches the process's global scope before a
+library's own dependencies, so a BLAS loaded earlier with ``RTLD_GLOBAL`` supplies ``cblas_sgemm``
+(and the LAPACK routines) instead: no file of MLX is touched and nothing is rebuilt. Once
+``libmlx.so`` is loaded its symbols are bound, so the load must come first.
 
-``preload()`` does that once per process. Every package of the zoo (``cache``, ``graphs``,
-``models``, ``weights``, ``examples``) imports this module first, before anything imports MLX. It
-is a top-level module, not part of a package, because a package's ``__init__`` would import MLX
-(and the other packages) before the preload could run.
+``preload()`` does that once per process, at the first import of this module. Two things import
+it before MLX:
 
-What is loaded (``$GEMMA_ZOO_BLAS``, read once, at the first import of a zoo package):
+- every package of the zoo (``cache``, ``graphs``, ``models``, ``weights``, ``examples``) imports
+  it first. It is a top-level module, not part of a package, because a package's ``__init__``
+  would import MLX (and the other packages) before the preload could run;
+- the import hook: installing the project puts ``gemma_mlx_zoo_blas.pth`` (``HOOK_FILE``) in
+  site-packages (``setup.py`` writes it from ``HOOK_SOURCE``). Python's ``site`` runs it at start;
+  it only adds a ``sys.meta_path`` finder that imports this module when ``mlx`` is first imported,
+  so ``import mlx.core; import models`` gets the fast BLAS too, and a process that never imports
+  MLX loads nothing. ``GEMMA_ZOO_BLAS=off`` makes it load nothing as well.
+
+What is loaded (``$GEMMA_ZOO_BLAS``, parsed by ``zoo_switches``):
 
 - ``auto`` (default): Intel oneMKL from the ``mkl`` wheel (the ``fast-cpu`` extra, installed by
   default on Linux x86-64), else the system OpenBLAS (Debian's ``libopenblas0``), else nothing;
 - ``mkl`` or ``openblas``: that one, or nothing (with the reason) when it is not installed;
-- ``off`` (or ``0``, ``none``): MLX's bundled BLAS, exactly as without this module;
+- ``off`` (or ``0``, ``no``, ``false``, ``none``): MLX's bundled BLAS, exactly as without this module;
 - a path to a shared library: that library (it must export ``cblas_sgemm``).
 
 Nothing is loaded on macOS (MLX uses Accelerate), on other CPUs than x86-64, on MLX's CUDA build,
-on an MLX built without the bundled BLAS, or when ``mlx.core`` was already imported by someone
-else (then it is too late; ``describe()`` says so). ``describe()`` is the line ``--verbose`` prints.
+or on an MLX built without the bundled BLAS. When ``mlx.core`` was imported before this module
+(and the hook did not run) it is too late: ``preload()`` emits one ``SlowBlasWarning`` naming the
+fix, and ``describe()`` (the line ``--verbose`` prints) says so.
 """
 
 from __future__ import annotations
@@ -30,17 +39,71 @@ import ctypes
 import ctypes.util
 import os
 import platform
+import site
 import sys
+import warnings
 from importlib import metadata
 from pathlib import Path
 
+import zoo_switches
+
 ENV = "GEMMA_ZOO_BLAS"
-OFF = ("off", "0", "none", "false", "no", "reference")
 
 # MKL's OpenMP threads spin for 200 ms after each parallel region by default. On a 2-core box that
 # spinning takes the cores from MLX's own thread between two matmuls (norms, RoPE, attention), so a
 # decode step gets slower; 0 puts them to sleep at once. Applied only when the user has not set it.
 MKL_DEFAULTS = {"KMP_BLOCKTIME": "0"}
+
+# The import hook. ``setup.py`` reads these three definitions (without importing this module) and
+# writes ``pth_line()`` into ``HOOK_FILE`` at the root of the wheel, i.e. into site-packages.
+HOOK_FILE = "gemma_mlx_zoo_blas.pth"
+HOOK_SOURCE = """
+import sys
+
+
+class GemmaZooBlasHook:
+    \"\"\"gemma-mlx-zoo: import zoo_blas (the fast CPU BLAS) just before mlx is first imported.\"\"\"
+
+    loading = False
+
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name != "mlx" or cls.loading:
+            return None
+        cls.loading = True
+        try:
+            import zoo_blas  # noqa: F401
+        except ModuleNotFoundError as err:
+            if err.name not in ("zoo_blas", "zoo_switches"):
+                cls.warn(err)
+        except Exception as err:
+            cls.warn(err)
+        finally:
+            if cls in sys.meta_path:
+                sys.meta_path.remove(cls)
+        return None
+
+    @staticmethod
+    def warn(err):
+        import warnings
+
+        warnings.warn(f"gemma-mlx-zoo's BLAS import hook failed: {err}", RuntimeWarning, stacklevel=3)
+
+
+# Once per process, and only while mlx is still to come (site may see the same folder twice).
+if "mlx" not in sys.modules and not any(getattr(f, "__name__", "") == "GemmaZooBlasHook" for f in sys.meta_path):
+    sys.meta_path.insert(0, GemmaZooBlasHook)
+"""
+
+
+def pth_line() -> str:
+    """The line of ``HOOK_FILE``: ``site`` executes ``.pth`` lines that start with ``import``."""
+    return f"import sys; exec({HOOK_SOURCE!r}, {{'__name__': 'gemma_mlx_zoo_blas_hook'}})\n"
+
+
+class SlowBlasWarning(RuntimeWarning):
+    """``mlx.core`` was imported before the fast BLAS could be loaded: CPU matmuls use the slow one."""
+
 
 _state: dict | None = None
 
@@ -50,11 +113,15 @@ def preload() -> dict:
     global _state
     if _state is None:
         _state = _preload()
+        if _state.get("warning"):
+            warnings.warn(_state["warning"], SlowBlasWarning, stacklevel=2)
     return dict(_state)
 
 
 def info() -> dict:
-    """``{"name", "version", "path", "loaded", "reason"}`` of the BLAS MLX's float32 matmuls use."""
+    """``{"name", "version", "path", "loaded", "reason", "hook", "warning"}`` of the BLAS MLX's float32
+    matmuls use; ``hook`` is the installed import hook's path (or None), ``warning`` the too-late
+    warning's text (or None)."""
     return preload()
 
 
@@ -65,28 +132,49 @@ def describe() -> str:
     return f"BLAS: {name} ({s['reason']})"
 
 
+def hook_path() -> str | None:
+    """Where the import hook (``HOOK_FILE``) is installed, if it is on this interpreter's site path."""
+    dirs = list(sys.path)
+    try:
+        dirs = site.getsitepackages() + [site.getusersitepackages()] + dirs
+    except AttributeError:  # an old virtualenv's site module
+        pass
+    for folder in dict.fromkeys(dirs):
+        candidate = Path(folder or ".", HOOK_FILE)
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
 # ---------------------------------------------------------------------------------------- internals
 def _preload() -> dict:
-    setting = os.environ.get(ENV, "auto").strip()
+    setting = zoo_switches.value(ENV)  # ValueError for a value it does not know
+    hook = hook_path()
     if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return _none("MLX's own BLAS", f"{sys.platform}/{platform.machine()}: nothing to replace")
+        return _none("MLX's own BLAS", f"{sys.platform}/{platform.machine()}: nothing to replace", hook)
     build = _mlx_build()
     if build != "cpu":
-        return _none("MLX's own BLAS", build)
+        return _none("MLX's own BLAS", build, hook)
     present = _already_mapped()
     if present:
-        return {"name": present[0], "version": None, "path": present[1], "loaded": True,
+        return {"name": present[0], "version": None, "path": present[1], "loaded": True, "hook": hook, "warning": None,
                 "reason": "already in the process before the zoo loaded one (LD_PRELOAD?)"}
-    if setting.lower() in OFF:
-        return _none("MLX's bundled reference BLAS", f"{ENV}={setting}")
-    if "mlx.core" in sys.modules:
-        return _none("MLX's bundled reference BLAS",
-                     "mlx.core was imported before the zoo, too late to load a fast BLAS; import a zoo package first")
+    if setting == "off":
+        return _none("MLX's bundled reference BLAS", f"{ENV}=off", hook)
     candidates = _candidates(setting)
     if not candidates:
         return _none("MLX's bundled reference BLAS",
-                     f"{ENV}={setting}: not installed" if setting.lower() != "auto" else
-                     'no fast BLAS installed; pip install "gemma-mlx-zoo[fast-cpu]" or apt-get install libopenblas0')
+                     f"{ENV}={setting}: not installed" if setting != "auto" else
+                     'no fast BLAS installed; pip install "gemma-mlx-zoo[fast-cpu]" or apt-get install libopenblas0', hook)
+    if "mlx.core" in sys.modules:
+        state = _none("MLX's bundled reference BLAS",
+                      "mlx.core was imported before the zoo, too late to load a fast BLAS; " + _fix(hook), hook)
+        state["warning"] = (
+            f"mlx.core was imported before gemma-mlx-zoo: MLX's CPU matmuls use its slow bundled reference BLAS, "
+            f"not {candidates[0][0]}. Fix: {_fix(hook)}; {ENV}=off keeps the bundled BLAS without this warning."
+        )
+        return state
+    by_hook = any(getattr(f, "__name__", "") == "GemmaZooBlasHook" and getattr(f, "loading", False) for f in sys.meta_path)
     errors = []
     for name, path in candidates:
         if name == "Intel oneMKL":
@@ -98,13 +186,22 @@ def _preload() -> dict:
         except (OSError, AttributeError) as err:
             errors.append(f"{path}: {err}")
             continue
-        return {"name": name, "version": _version(name, lib), "path": str(path), "loaded": True,
-                "reason": f"loaded before mlx.core; {ENV}=off turns it off"}
-    return _none("MLX's bundled reference BLAS", "; ".join(errors))
+        how = f"by the import hook {hook}" if by_hook else ""
+        return {"name": name, "version": _version(name, lib), "path": str(path), "loaded": True, "hook": hook,
+                "warning": None, "reason": f"loaded before mlx.core{' ' + how if how else ''}; {ENV}=off turns it off"}
+    return _none("MLX's bundled reference BLAS", "; ".join(errors), hook)
 
 
-def _none(name: str, reason: str) -> dict:
-    return {"name": name, "version": None, "path": None, "loaded": False, "reason": reason}
+def _fix(hook: str | None) -> str:
+    if hook:
+        return (f"import a zoo package (or zoo_blas) before mlx.core; the import hook {hook} is installed "
+                "but did not run in this process (python -S? mlx imported while site was starting?)")
+    return ("import a zoo package (or zoo_blas) before mlx.core, or reinstall gemma-mlx-zoo "
+            "(pip install -e . or pip install .) to get its import hook, which loads it in any import order")
+
+
+def _none(name: str, reason: str, hook: str | None) -> dict:
+    return {"name": name, "version": None, "path": None, "loaded": False, "reason": reason, "hook": hook, "warning": None}
 
 
 def _mlx_build() -> str:
@@ -130,13 +227,15 @@ def _has_dist(name: str) -> bool:
 
 
 def _candidates(setting: str) -> list[tuple[str, Path | str]]:
-    key = setting.lower()
-    if key == "auto":
+    """``(name, path)`` of the libraries ``setting`` (a parsed ``GEMMA_ZOO_BLAS``) asks for, in order."""
+    if setting == "auto":
         return _mkl() + _openblas()
-    if key == "mkl":
+    if setting == "mkl":
         return _mkl()
-    if key == "openblas":
+    if setting == "openblas":
         return _openblas()
+    if setting == "off":
+        return []
     path = Path(setting).expanduser()
     return [(path.name, path)] if path.is_file() else []
 
