@@ -13,7 +13,7 @@ with ratios ours / peer. Peak memory includes the weights, all made resident bef
 a text prompt, unread).
 
 mlx-vlm has no entry point that runs the reference sampler on a bare checkpoint, so its row runs
-the same loop as ours (``models.diffusion_generate``'s pieces) around mlx-vlm's model calls
+the same loop as ours (``models.generation.diffusion``'s pieces) around mlx-vlm's model calls
 (``diffusion_prefill_cache``, ``diffusion_decoder_logits``, ``diffusion_update_cache``): the
 comparison is of the graphs and caches. mlx-vlm is imported from the environment or from
 ``--mlx-vlm-path`` (``pip install --no-deps --target DIR mlx-vlm``); without it its row is skipped.
@@ -88,9 +88,9 @@ def build_checkpoints() -> None:
 def run_ours(prompt: list[int], blocks: int, steps: int) -> tuple[float, float]:
     import mlx.core as mx
 
-    from models.diffusion_model import load_diffusion
+    from models import load
 
-    model = load_diffusion(str(DIFFUSION), tokenizer=False)
+    model = load(str(DIFFUSION), tokenizer=False)
     mx.eval(model.graph.parameters())  # resident like mlx-vlm's (its loader evaluates every weight)
     mx.reset_peak_memory()
     result = model.generate(prompt, seed=0, max_new_tokens=blocks * CANVAS, max_denoising_steps=steps)
@@ -102,8 +102,8 @@ def run_mlx_vlm(prompt: list[int], blocks: int, steps: int) -> tuple[float, floa
     import mlx.core as mx
     from mlx_vlm.utils import load_model
 
-    from models.diffusion_config import DiffusionGenerationConfig
-    from models.diffusion_generate import MLXNoise, entropy, entropy_bound_accept
+    from models.generation.diffusion_options import DiffusionGenerationConfig
+    from models.generation.diffusion import MLXNoise, entropy, entropy_bound_accept
 
     model = load_model(DIFFUSION)
     mx.reset_peak_memory()
@@ -135,7 +135,7 @@ def run_autoregressive(prompt: list[int], blocks: int, steps: int) -> tuple[floa
     import mlx.core as mx
 
     import models
-    from models.generate import generate_tokens, prefill
+    from models.generation.generate import generate_tokens, prefill
 
     model = models.load(str(AUTOREGRESSIVE), tokenizer=False)
     mx.eval(model.graph.parameters())

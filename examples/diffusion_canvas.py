@@ -26,10 +26,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models.diffusion_generate import CommittedBlock, DenoiseStep, DiffusionResult, Finished
-from models.diffusion_model import DiffusionModel, load_diffusion
-from models.generate import KVQuantization
-from models.image_processor import Gemma4ImageProcessor
+from models.generation.diffusion import CommittedBlock, DenoiseStep, DiffusionResult, Finished
+import models
+from models.diffusion_model import DiffusionModel
+from models.generation.generate import KVQuantization
+from models.processing.image_processor import Gemma4ImageProcessor
 
 BRIGHT, DIM, BOLD, RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[1m", "\x1b[0m"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -47,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--html", metavar="FILE", help="save the denoising as a self-contained HTML page")
     p.add_argument("--no-live", action="store_true", help="no in-place canvas, only the committed text")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights on load")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights on load (default: per device, as models.load chooses)")
     p.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 5, 6, 8], help="store the KV cache quantized")
     p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
     p.add_argument("--quantized-kv-start", type=int, default=5000,
@@ -194,7 +195,9 @@ def main(argv=None) -> int:
     try:
         for path in args.image:  # a bad image is reported before the (long) model load
             Gemma4ImageProcessor().load_rgb(path)
-        model = load_diffusion(args.model, dtype=args.dtype)
+        model = models.load(args.model, dtype=args.dtype or "auto")
+        if not isinstance(model, DiffusionModel):
+            raise ValueError(f"{args.model} is a {model.model_type} checkpoint, not DiffusionGemma; use python -m examples.chat")
         tokens = Tokens(model)
         prompt = model.prompt(tokens.prompt_ids(args.prompt, len(args.image), args.raw), args.image, args.max_soft_tokens)
         options = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps}

@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from examples.chat import DEFAULT_MODEL, add_generation_args, answer, load_model, session_from_args
-from models.image_processor import Gemma4ImageProcessor
+from models.processing.image_processor import Gemma4ImageProcessor
 
 DEFAULT_PROMPT = "Describe this image."
 DEFAULT_PROMPT_SEVERAL = "Describe these images."

@@ -32,12 +32,13 @@ import mlx.nn as nn
 import numpy as np
 
 from cache import KVCache, RotatingKVCache, cpu_math
-from models.diffusion_config import DiffusionGemmaConfig
-from models.gemma4_config import SLIDING
+from graphs.diffusion_gemma_config import DiffusionGemmaConfig
+from graphs.gemma4_text_config import SLIDING
 
 from .gemma4_text import DecoderLayer
 from .gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower, encode_images
 from .layers import RMSNorm, RoPE, float_dtype, gelu_gated, softcap
+from .speedups import VocabularyHead
 
 ENCODER_READ, CANVAS_READ = "encoder", "canvas"
 
@@ -89,7 +90,7 @@ class SelfConditioning(nn.Module):
         return self.post_norm(embedded + signal)
 
 
-class DiffusionGemmaModel(nn.Module):
+class DiffusionGemmaModel(VocabularyHead, nn.Module):
     """The encoder/decoder stack, the self-conditioning block and (when configured) the vision tower."""
 
     def __init__(self, config: DiffusionGemmaConfig):
@@ -114,7 +115,7 @@ class DiffusionGemmaModel(nn.Module):
 
     # ------------------------------------------------------------------------------ encoder
     def image_features(self, images: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[mx.array]:
-        """Text-space features ``[n_i, H]`` of each ``(patches, position_ids)`` (``models.image_processor``)."""
+        """Text-space features ``[n_i, H]`` of each ``(patches, position_ids)`` (``models.processing.image_processor``)."""
         if "vision_tower" not in self:
             raise ValueError("DiffusionGemma: this checkpoint has no vision tower (no vision_config); images are not supported")
         return encode_images(self.vision_tower, self.embed_vision, images)
@@ -179,7 +180,7 @@ class DiffusionGemmaModel(nn.Module):
 
     def logits(self, h: mx.array) -> mx.array:
         """The tied head in the weights' dtype, then float32 and ``cap * tanh(logits / cap)``."""
-        out = self.embed_tokens.as_linear(h).astype(mx.float32)
+        out = self.head_product(h).astype(mx.float32)
         cap = self.config.text.final_logit_softcapping
         return softcap(out, cap)
 

@@ -14,21 +14,13 @@ from typing import Any, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
 from cache import KVCache, RotatingKVCache
-from models.fused import head_product, norm_rope
-from models.gemma3_config import SLIDING, Gemma3TextConfig
-from weights.quantize import is_quantized_entry, prepare_quantized
+from graphs.gemma3_text_config import SLIDING, Gemma3TextConfig
 
 from .layers import GeGLUMLP, RoPE, float_dtype, softcap
+from .speedups import VocabularyHead, norm_rope
 
-# Where the text weights sit in each checkpoint layout, checked in this order ("model." is a prefix
-# of "model.language_model."): transformers Gemma3ForConditionalGeneration, mlx-vlm / older
-# transformers multimodal, Gemma3ForCausalLM (and mlx-lm), Gemma3TextModel (EmbeddingGemma-style).
-TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "")
-LM_HEAD_KEYS = ("lm_head.weight", "language_model.lm_head.weight")
-MULTIMODAL_PARTS = ("vision_tower", "multi_modal_projector")
 
 
 class GemmaRMSNorm(nn.Module):
@@ -87,7 +79,6 @@ class Attention(nn.Module):
     def __call__(self, x: mx.array, cache, offset: int) -> mx.array:
         B, L, _ = x.shape
         heads = lambda t, n: t.reshape(B, L, n, self.head_dim).transpose(0, 2, 1, 3)  # noqa: E731
-        # rope(norm(.)) of queries and keys, compiled for decode (models.fused: same ops, fewer graph nodes)
         q = norm_rope(heads(self.q_proj(x), self.num_heads), self.q_norm, self.rope, offset, plus_one=True)
         k = norm_rope(heads(self.k_proj(x), self.num_kv_heads), self.k_norm, self.rope, offset, plus_one=True)
         v = heads(self.v_proj(x), self.num_kv_heads)
@@ -114,7 +105,7 @@ class DecoderLayer(nn.Module):
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class Gemma3TextModel(nn.Module):
+class Gemma3TextModel(VocabularyHead, nn.Module):
     """Gemma 3 text model with its tied (or separate) LM head: ``input_ids [B, L] -> logits [B, L, V]``.
 
     Parameter names are transformers' ``Gemma3TextModel`` names (no ``model.`` prefix); ``lm_head``
@@ -164,60 +155,8 @@ class Gemma3TextModel(nn.Module):
         return self.embed_tokens(input_ids) * scale
 
     def logits(self, h: mx.array) -> mx.array:
-        out = head_product(self, h)  # lm_head or the tied embedding; split across CPU streams (models.fused)
+        out = self.head_product(h)
         cap = self.config.final_logit_softcapping
         if cap:
             out = softcap(out, cap)
         return out
-
-
-def map_gemma3_text_weights(weights: Mapping[str, mx.array], model: Gemma3TextModel) -> dict[str, mx.array]:
-    """Map a checkpoint's ``{key: array}`` onto ``model``'s parameter names, strictly.
-
-    The text weights are found under one of ``TEXT_PREFIXES``; a tied ``lm_head``, rotary buffers
-    and the vision tower / projector of a multimodal checkpoint are dropped. Any other unexpected
-    key, a missing parameter or a shape mismatch raises ``ValueError`` naming the key. Packed
-    weights with ``.scales``/``.biases`` (MLX layouts) pass through; the loader quantizes those modules.
-    """
-    expected = {name: tuple(a.shape) for name, a in tree_flatten(model.parameters())}
-    prefix = next((p for p in TEXT_PREFIXES if f"{p}embed_tokens.weight" in weights), None)
-    if prefix is None:
-        raise ValueError(
-            f"gemma3 keys: no embed_tokens.weight under any of {TEXT_PREFIXES}; first keys: {sorted(weights)[:5]}"
-        )
-    mapped: dict[str, mx.array] = {}
-    for key, value in weights.items():
-        head = next((key[len(k) - len("weight") :] for k in LM_HEAD_KEYS if key.startswith(k.removesuffix("weight"))), None)
-        if head is not None:  # lm_head.weight (and, packed, lm_head.scales / .biases)
-            if model.config.tie_word_embeddings:
-                continue
-            name = "lm_head." + head
-        elif key.startswith(prefix):
-            name = key[len(prefix) :]
-            if "rotary_emb." in name:
-                continue
-        elif key.removeprefix("model.").split(".", 1)[0] in MULTIMODAL_PARTS:
-            continue
-        else:
-            raise ValueError(f"gemma3 keys: unexpected key {key!r} (the text weights are under {prefix!r})")
-        if is_quantized_entry(name, value, expected):  # packed weight, scales or biases (MLX layouts)
-            pass
-        elif name not in expected:
-            raise ValueError(f"gemma3 keys: unexpected key {key!r} (no parameter {name!r} in the graph)")
-        elif tuple(value.shape) != expected[name]:
-            raise ValueError(
-                f"gemma3 keys: {key!r} has shape {list(value.shape)} in the checkpoint, "
-                f"the graph expects {list(expected[name])}"
-            )
-        mapped[name] = value
-    missing = sorted(set(expected) - set(mapped))
-    if missing:
-        raise ValueError(f"gemma3 keys: the checkpoint lacks {len(missing)} parameters: {', '.join(missing[:20])}")
-    return mapped
-
-
-def load_gemma3_text_weights(model: Gemma3TextModel, weights: Mapping[str, mx.array]) -> None:
-    """Map ``weights`` onto ``model`` and load them strictly (the registry's ``load_weights`` hook)."""
-    mapped = map_gemma3_text_weights(weights, model)
-    prepare_quantized(model, mapped, "gemma3 keys")
-    model.load_weights(list(mapped.items()), strict=True)

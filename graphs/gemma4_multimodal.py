@@ -26,8 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from models.gemma4_multimodal_config import Gemma4MultimodalConfig
-from models.image_processor import ProcessedImage
+from graphs.gemma4_multimodal_config import Gemma4MultimodalConfig
 
 from .gemma4_text import Gemma4TextModel
 from .gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower, encode_images
@@ -78,7 +77,7 @@ class Gemma4MultimodalModel(nn.Module):
 
     ``model(ids, cache, last_only)`` is the text forward (as ``Gemma4TextModel``); with
     ``image_features`` (the rows of every image inside ``ids``, in order) the images are merged and
-    the read is ``vision_prefill``. ``encode_images`` gives the features of processed images.
+    the read is ``vision_prefill``. ``image_features`` gives the features of processed images.
     """
 
     def __init__(self, config: Gemma4MultimodalConfig):
@@ -93,16 +92,9 @@ class Gemma4MultimodalModel(nn.Module):
     def make_cache(self) -> list:
         return self.language_model.make_cache()
 
-    def encode_images(self, images: Sequence[ProcessedImage]) -> list[mx.array]:
-        """Text-space features ``[num_soft_tokens, hidden]`` of each image, in order."""
-        features = encode_images(self.vision_tower, self.embed_vision, [(i.patches, i.position_ids) for i in images])
-        for image, rows in zip(images, features):
-            if rows.shape[0] != image.num_soft_tokens:
-                raise ValueError(
-                    f"image {image.source}: the vision tower gives {rows.shape[0]} soft tokens, "
-                    f"the processor announced {image.num_soft_tokens}"
-                )
-        return features
+    def image_features(self, images: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[mx.array]:
+        """Text-space features ``[n_i, hidden]`` of each ``(patches, position_ids)``, in order."""
+        return encode_images(self.vision_tower, self.embed_vision, images)
 
     def __call__(
         self, input_ids: mx.array, cache: list | None = None, last_only: bool = False, image_features: mx.array | None = None

@@ -15,10 +15,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from cache import KVCache, RotatingKVCache
-from models.fused import head_product, norm_rope
-from models.gemma4_config import SLIDING, Gemma4TextConfig, LayerGeometry
+from graphs.gemma4_text_config import SLIDING, Gemma4TextConfig, LayerGeometry
 
 from .layers import Experts, GeGLUMLP, RMSNorm, RoPE, Router, gelu_gated, scaled, softcap
+from .speedups import VocabularyHead, norm_rope
 
 # q_norm and k_norm take the place of 1/sqrt(head_dim).
 ATTENTION_SCALE = 1.0
@@ -48,7 +48,6 @@ class Attention(nn.Module):
 
     def __call__(self, x: mx.array, cache, offset: int, read: str, read_args: dict) -> mx.array:
         B, L, _ = x.shape
-        # rope(norm(.)) of queries and keys, compiled for decode (models.fused: same ops, fewer graph nodes)
         q = norm_rope(self._heads(self.q_proj(x), self.num_heads), self.q_norm, self.rope, offset, plus_one=False)
         if self.reuses_kv:
             out = getattr(cache, read)(q, scale=ATTENTION_SCALE, **read_args)
@@ -115,7 +114,7 @@ def _compute_dtype(module: nn.Module) -> mx.Dtype:
     return module["scales"].dtype if "scales" in module else module.weight.dtype
 
 
-class Gemma4TextModel(nn.Module):
+class Gemma4TextModel(VocabularyHead, nn.Module):
     """Gemma 4 text model with its tied (or separate) LM head: ``input_ids [B, L] -> logits [B, L, V]``.
 
     Parameter names are transformers' ``Gemma4TextModel`` names (no ``model.`` prefix), experts as
@@ -210,7 +209,7 @@ class Gemma4TextModel(nn.Module):
         return scaled(context + token_part, 2.0**-0.5)
 
     def logits(self, h: mx.array) -> mx.array:
-        out = head_product(self, h)  # lm_head or the tied embedding; split across CPU streams (models.fused)
+        out = self.head_product(h)
         cap = self.config.final_logit_softcapping
         if cap:
             out = softcap(out, cap)

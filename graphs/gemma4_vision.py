@@ -28,7 +28,7 @@ import numpy as np
 
 from cache.attention import attend
 from graphs.layers import RMSNorm, gelu_gated
-from models.gemma4_vision_config import Gemma4VisionConfig
+from graphs.gemma4_vision_config import Gemma4VisionConfig
 
 
 class ClippableLinear(nn.Module):
@@ -165,7 +165,7 @@ class Gemma4VisionTower(nn.Module):
     """Patches of one image (or a batch of equal grids) to soft-token features.
 
     ``__call__(patches, position_ids)``: ``patches [L, 3*p*p]`` (or ``[B, L, 3*p*p]``) in ``[0, 1]``
-    and ``position_ids [L, 2]`` (or ``[B, L, 2]``) as ``models.image_processor`` makes them. Returns
+    and ``position_ids [L, 2]`` (or ``[B, L, 2]``) as ``models.processing.image_processor`` makes them. Returns
     ``[L / k², hidden]`` (or ``[B, L / k², hidden]``): the mean of each ``k x k`` patch cell in
     row-major cell order, times ``sqrt(hidden)``, then ``(h - std_bias) * std_scale`` when the config
     standardizes. Pooling and standardization run in float32, the result has the weights' dtype.
@@ -227,13 +227,13 @@ class Gemma4VisionTower(nn.Module):
         if rows * cols != length or not (position_ids == grid).all():
             raise ValueError(
                 "vision tower: position_ids must be the row-major (x = column, y = row) patch grid that "
-                f"models.image_processor emits, without padding; got {length} patches with max x {cols - 1}"
+                f"models.processing.image_processor emits, without padding; got {length} patches with max x {cols - 1}"
             )
         k = config.pooling_kernel_size
         if rows % k or cols % k:
             raise ValueError(
                 f"vision tower: the patch grid {rows}x{cols} does not divide into {k}x{k} pooling cells "
-                "(resize images with models.image_processor, which makes both sides multiples of "
+                "(resize images with models.processing.image_processor, which makes both sides multiples of "
                 f"{k * config.patch_size} px)"
             )
         if max(rows, cols) > config.position_embedding_size:

@@ -16,6 +16,8 @@ from mlx_lm.models.switch_layers import SwitchGLU
 
 from cache import cpu_math
 
+from .speedups import cpu_streams, few_rows
+
 
 def scaled(x: mx.array, factor: float) -> mx.array:
     """``x * factor`` with the factor at float32 precision and one rounding, as torch does.
@@ -56,12 +58,11 @@ class RoPE(nn.Module):
     computed over the full D (optionally divided by ``factor``); the remaining pairs get an infinite
     period, i.e. they are left unrotated. That is not "standard partial RoPE on the first dims".
 
-    ``mx.fast.rope`` is a fused kernel on a GPU; on the CPU it expands into ops that take the cos and
-    sin of every (position, frequency) in each call, with MLX's scalar loops (2 ms a layer for a
-    512-token chunk of the 270M). So on the CPU the rotation uses cos/sin tables of the reference's
-    frequencies (float64, rounded once), made once per (offset, length) and shared by every layer of
-    the same RoPE kind (the graphs make one object per kind). Decode steps use the same tables, so
-    cached and uncached forwards rotate identically; both are as close to float64 as the kernel.
+    ``mx.fast.rope`` is a fused kernel on a GPU; on the CPU it expands into scalar cos/sin loops
+    over every (position, frequency) in each call. So on the CPU the rotation uses cos/sin tables of
+    the reference's frequencies (float64, rounded once), made once per (offset, length) and shared
+    by every layer of the same RoPE kind (the graphs make one object per kind). Decode steps use the
+    same tables, so cached and uncached forwards rotate identically.
     """
 
     def __init__(self, head_dim: int, params: Mapping[str, Any]):
@@ -93,6 +94,16 @@ class RoPE(nn.Module):
             x, self.head_dim, traditional=False, base=self._base, scale=1.0, offset=offset, freqs=self._periods
         )
 
+    @property
+    def base(self) -> float | None:
+        """``mx.fast.rope``'s ``base`` (None when ``periods`` are given)."""
+        return self._base
+
+    @property
+    def periods(self) -> mx.array | None:
+        """``mx.fast.rope``'s ``freqs`` (the period of each pair) for the proportional kind."""
+        return self._periods
+
     def tables(self, offset: int, length: int) -> tuple[mx.array, mx.array]:
         """float32 ``cos`` and ``sin`` ``[length, D/2]`` of positions ``offset ..``, kept for the next
         call with the same positions (the other layers of this kind in the same forward)."""
@@ -120,7 +131,14 @@ def softcap(x: mx.array, cap: float) -> mx.array:
 
 
 class GeGLUMLP(nn.Module):
-    """``down(gelu(gate(x)) * up(x))``, no biases."""
+    """``down(gelu(gate(x)) * up(x))``, no biases.
+
+    ``use_streams(2)`` (chosen by ``models.precision``) runs the up and gate products of a few rows
+    (decode) on two CPU streams, one core streaming each weight; wider inputs are GEMMs the BLAS
+    threads itself. Same parameters, same ops, same numbers.
+    """
+
+    two_streams: bool = False
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -128,7 +146,16 @@ class GeGLUMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    def use_streams(self, n: int) -> None:
+        if n not in (1, 2):
+            raise ValueError(f"GeGLUMLP.use_streams: 1 or 2 streams, got {n}")
+        self.two_streams = n == 2
+
     def __call__(self, x: mx.array) -> mx.array:
+        if self.two_streams and few_rows(x):
+            with mx.stream(cpu_streams(2)[1]):
+                up = self.up_proj(x)
+            return self.down_proj(gelu_gated(up, self.gate_proj(x)))
         return self.down_proj(gelu_gated(self.up_proj(x), self.gate_proj(x)))
 
 

@@ -37,7 +37,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.utils import get_total_parameters
 
-from weights import load_safetensors, read_config, resolve_model_path
+from weights import read_config
 from weights.quantize import (
     LOAD_BITS,
     LOAD_GROUP_SIZES,
@@ -45,13 +45,11 @@ from weights.quantize import (
     QuantizationPolicy,
     QuantizationReport,
     QuantParams,
-    plan_load,
-    quantize_model,
     quantized_modules,
     read_quantization,
 )
 
-from .zoo import zoo_folder
+from models.loading import load_graph, model_folder
 
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD = "5GB"
@@ -186,7 +184,7 @@ def mlx_lm_config(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if not isinstance(text, dict):
         return config, []
     if model_type in ("gemma4", "gemma4_text"):
-        from .gemma4_config import FULL, Gemma4TextConfig
+        from graphs.gemma4_text_config import FULL, Gemma4TextConfig
 
         parse = Gemma4TextConfig.from_dict
         before = parse(config)
@@ -197,7 +195,7 @@ def mlx_lm_config(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         if full and before.attention_k_eq_v and len({before.layer_kv_heads[i] for i in full}) == 1:
             extra["num_global_key_value_heads"] = before.layer_kv_heads[full[0]]
     elif model_type in ("gemma3", "gemma3_text"):
-        from .gemma3_config import FULL, SLIDING, Gemma3TextConfig
+        from graphs.gemma3_text_config import FULL, SLIDING, Gemma3TextConfig
 
         parse = Gemma3TextConfig.from_dict
         before = parse(config)
@@ -249,31 +247,6 @@ def quantization_entry(graph: nn.Module, layout: Layout, default: QuantParams) -
             raise ValueError(f"convert: {written!r} would need two quantizations ({entry[written]} and {params.config_entry()})")
         entry[written] = params.config_entry()
     return entry
-
-
-# ---------------------------------------------------------------------------------------- loading
-def load_graph(folder: Path, raw: dict, dtype, q_bits, q_group_size, q_policy):
-    """Our graph for ``folder``, loaded (and quantized on load when asked): ``(graph, report)``."""
-    weights, _ = load_safetensors(folder, dtype=dtype)
-    policy = plan_load(raw, weights, str(folder / "config.json"), q_bits, q_group_size, q_policy)
-    if raw.get("model_type") == "diffusion_gemma":
-        from graphs.diffusion_gemma import DiffusionGemmaModel
-        from weights.diffusion_gemma_keys import load_diffusion_gemma_weights
-
-        from .diffusion_config import DiffusionGemmaConfig
-
-        graph = DiffusionGemmaModel(DiffusionGemmaConfig.from_dict(raw))
-        load_diffusion_gemma_weights(graph, weights)
-    else:
-        from .registry import architecture_for
-
-        architecture = architecture_for(raw, str(folder / "config.json"), weights.keys())
-        graph = architecture.build_graph(architecture.parse_config(raw))
-        architecture.load_weights(graph, weights)
-    del weights
-    report = quantize_model(graph, policy) if policy is not None else None
-    graph.eval()
-    return graph, report
 
 
 # ---------------------------------------------------------------------------------------- writing
@@ -338,12 +311,13 @@ def convert(
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"convert: {out} exists and is not empty (pass overwrite=True / --overwrite to replace it)")
-    folder = zoo_folder(str(model)) or resolve_model_path(str(model))
+    folder = model_folder(str(model))
     if out.resolve() == folder.resolve():
         raise ValueError(f"convert: the output folder {out} is the source folder")
     raw = read_config(folder)
     stored = read_quantization(raw, str(folder / "config.json"))
-    graph, report = load_graph(folder, raw, dtype, q_bits, q_group_size, q_policy)
+    loaded = load_graph(folder, dtype, q_bits, q_group_size, q_policy)
+    graph, report = loaded.graph, loaded.quantization
     layout = layout_for(raw.get("model_type"), graph)
 
     params = dict(tree_flatten(graph.parameters()))

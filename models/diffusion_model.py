@@ -1,8 +1,7 @@
 """A loaded DiffusionGemma: graph, config, tokenizer and generation defaults, with the user-facing calls.
 
-``load_diffusion(path)`` is to DiffusionGemma what ``models.load`` is to the autoregressive
-models: the same checkpoint reading (``weights``), the graph ``graphs.diffusion_gemma``, and
-``generation_config.json`` as the defaults of every run (explicit options override them).
+``models.load`` returns one for a ``diffusion_gemma`` checkpoint; ``generation_config.json`` holds
+the defaults of every run (explicit options override them).
 """
 
 from __future__ import annotations
@@ -11,24 +10,18 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import mlx.core as mx
-from mlx_lm.tokenizer_utils import load as load_mlx_lm_tokenizer
 
-from graphs.diffusion_gemma import DiffusionGemmaModel
-from weights import load_safetensors, read_config, resolve_model_path
-from weights.diffusion_gemma_keys import load_diffusion_gemma_weights
-from weights.quantize import plan_load, quantize_model
 
-from .diffusion_config import DiffusionGemmaConfig, DiffusionGenerationConfig
-from .diffusion_generate import DEFAULT_PREFILL_STEP, CommittedBlock, DenoiseStep, DiffusionResult, Finished, stream_diffusion
-from .image_processor import DEFAULT_MAX_SOFT_TOKENS, Gemma4ImageProcessor, ImageInput, ProcessedImage
-from .image_prompt import ImageTokenIds, Prompt, expand_image_placeholders
-from .loading import read_generation_config
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
-
+from graphs.diffusion_gemma_config import DiffusionGemmaConfig
+from models.loading import TOKENIZER_FILES
+from models.generation.diffusion_options import DiffusionGenerationConfig
+from models.generation.diffusion import DEFAULT_PREFILL_STEP, CommittedBlock, DenoiseStep, DiffusionResult, Finished, stream_diffusion
+from models.processing.image_processor import DEFAULT_MAX_SOFT_TOKENS, Gemma4ImageProcessor, ImageInput, ProcessedImage
+from graphs.gemma4_multimodal_config import ImageTokenIds
+from models.generation.prompts import Prompt, expand_image_placeholders
 
 class DiffusionModel:
-    """What ``load_diffusion`` returns; the canvas demo uses exactly these calls."""
+    """What ``models.load`` returns for DiffusionGemma; the canvas demo uses exactly these calls."""
 
     model_type = "diffusion_gemma"
 
@@ -114,29 +107,3 @@ class DiffusionModel:
         if self.tokenizer is None:
             return " ".join(str(int(t)) for t in tokens)
         return self.tokenizer.decode([int(t) for t in tokens])
-
-
-def load_diffusion(
-    name_or_path: str, dtype=None, tokenizer: bool = True, q_bits=None, q_group_size=None, q_policy=None
-) -> DiffusionModel:
-    """Load a ``diffusion_gemma`` checkpoint (local folder or Hub repo id).
-
-    ``dtype`` casts floating weights. The tokenizer is attached when the folder has one and
-    ``tokenizer`` is True; without one, prompts are token ids and ``decode`` shows ids.
-    Quantization (pre-quantized checkpoints, ``q_bits`` / ``q_group_size`` / ``q_policy``) as in ``models.load``.
-    """
-    folder = resolve_model_path(str(name_or_path))
-    raw = read_config(folder)
-    config = DiffusionGemmaConfig.from_dict(raw)
-    graph = DiffusionGemmaModel(config)
-    weights, _ = load_safetensors(folder, dtype=dtype)
-    quantization = plan_load(raw, weights, str(folder / "config.json"), q_bits, q_group_size, q_policy)
-    load_diffusion_gemma_weights(graph, weights)
-    if quantization is not None:
-        quantize_model(graph, quantization)
-    graph.eval()
-    generation_config = read_generation_config(folder)
-    wrapper = None
-    if tokenizer and any((folder / name).is_file() for name in TOKENIZER_FILES):
-        wrapper = load_mlx_lm_tokenizer(folder, eos_token_ids=generation_config.get("eos_token_id"))
-    return DiffusionModel(graph, config, wrapper, generation_config, folder)

@@ -1,19 +1,44 @@
-"""``load()``: resolve a model, read its config and weights, build the graph, attach the tokenizer."""
+"""``load()``: resolve a model, read its config and weights, build the graph, attach the tokenizer.
+
+One loader serves every architecture in ``models.registry``; the registry says which object
+(``Model`` or ``DiffusionModel``) wraps the graph. ``load_graph`` is the part the convert command
+shares: the graph with its checkpoint loaded, before any device preparation.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mlx_lm.tokenizer_utils import load as load_mlx_lm_tokenizer
 
 from weights import load_safetensors, read_config, resolve_model_path
-from weights.quantize import QuantizationPolicy, plan_load, quantize_model
+from weights.quantize import QuantizationPolicy, QuantizationReport, plan_load, quantize_model
 
-from .model import Model
-from .precision import AUTO, cast_weights, choose, prepare
-from .registry import architecture_for
-from .zoo import zoo_folder
+from models.precision import AUTO, Precision, cast_weights, choose, prepare
+from models.registry import Architecture, architecture_for
+from models.zoo import zoo_folder
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+
+
+@dataclass
+class LoadedGraph:
+    """A graph with its checkpoint loaded (and quantized on load when asked)."""
+
+    graph: Any
+    config: Any
+    raw_config: dict
+    architecture: Architecture
+    precision: Precision
+    quantization: QuantizationReport | None
+
+
+def model_folder(name_or_path: str) -> Path:
+    """The local folder of a zoo name, a local folder or a Hub repo id."""
+    return zoo_folder(str(name_or_path)) or resolve_model_path(str(name_or_path))
 
 
 def read_generation_config(folder: Path) -> dict:
@@ -24,6 +49,30 @@ def read_generation_config(folder: Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: invalid JSON ({err})") from err
+
+
+def load_graph(
+    folder: Path,
+    dtype=AUTO,
+    q_bits: int | None = None,
+    q_group_size: int | None = None,
+    q_policy: QuantizationPolicy | None = None,
+) -> LoadedGraph:
+    """Build the graph for ``folder`` and load its checkpoint (cast per ``models.precision.choose``)."""
+    raw = read_config(folder)
+    source = str(folder / "config.json")
+    weights, _ = load_safetensors(folder)
+    precision = choose(dtype, weights)
+    weights = cast_weights(weights, precision)
+    quantization = plan_load(raw, weights, source, q_bits, q_group_size, q_policy)
+    architecture = architecture_for(raw, source, weights.keys())
+    config = architecture.parse_config(raw)
+    graph = architecture.build_graph(config)
+    architecture.load_weights(graph, weights)
+    del weights  # the graph holds what it needs; the rest (e.g. float weights quantized away) can go
+    report = quantize_model(graph, quantization) if quantization is not None else None
+    graph.eval()
+    return LoadedGraph(graph, config, raw, architecture, precision, report)
 
 
 def load(
@@ -43,36 +92,23 @@ def load(
     tokenizer, with mlx-lm's streaming detokenizer, is attached unless ``tokenizer=False``.
     Pre-quantized MLX checkpoints load as stored; ``q_bits`` (4 or 8) and ``q_group_size`` (32, 64
     or 128; default 64), or a whole ``q_policy``, quantize a full-precision checkpoint on load
-    (``docs/quantization.md``). On a CPU, ``models.precision.prepare`` then makes the graph fast
-    there (quantized layers dequantized to float32 by default: ``$GEMMA_ZOO_CPU_QUANT``).
+    (``docs/quantization.md``). ``models.precision.prepare`` then makes the graph fast on the
+    device it runs on.
     """
-    folder = zoo_folder(str(name_or_path)) or resolve_model_path(str(name_or_path))
-    config_dict = read_config(folder)
-    if config_dict.get("model_type") == "diffusion_gemma":
-        # Block diffusion is not autoregressive: its own model object and loop (models.diffusion_model).
-        from .diffusion_model import load_diffusion
-
-        return load_diffusion(
-            folder, dtype=None if dtype == AUTO else dtype, tokenizer=tokenizer, q_bits=q_bits, q_group_size=q_group_size, q_policy=q_policy
-        )
-    weights, _ = load_safetensors(folder)
-    precision = choose(dtype, weights)
-    weights = cast_weights(weights, precision)
-    quantization = plan_load(config_dict, weights, str(folder / "config.json"), q_bits, q_group_size, q_policy)
-    architecture = architecture_for(config_dict, str(folder / "config.json"), weights.keys())
-    config = architecture.parse_config(config_dict)
-    graph = architecture.build_graph(config)
-    architecture.load_weights(graph, weights)
-    if quantization is not None:
-        quantize_model(graph, quantization)
-    del weights  # the graph holds what it needs; the rest (e.g. float weights quantized away) can go
-    device_notes = prepare(graph, precision)  # CPU: quantized layers and the output head (models.precision)
-    graph.eval()
+    folder = model_folder(name_or_path)
+    loaded = load_graph(folder, dtype, q_bits, q_group_size, q_policy)
+    device_notes = prepare(loaded.graph, loaded.precision)
     generation_config = read_generation_config(folder)
     wrapper = None
-    if tokenizer:
-        eos = generation_config.get("eos_token_id")
-        wrapper = load_mlx_lm_tokenizer(folder, eos_token_ids=eos)
-    model = Model(graph, config, wrapper, generation_config, folder, config_dict["model_type"])
-    model.precision, model.device_notes = precision, device_notes  # stated by --verbose
+    if tokenizer and any((folder / name).is_file() for name in TOKENIZER_FILES):
+        wrapper = load_mlx_lm_tokenizer(folder, eos_token_ids=generation_config.get("eos_token_id"))
+    if loaded.architecture.wrapper == "diffusion":
+        from models.diffusion_model import DiffusionModel
+
+        model = DiffusionModel(loaded.graph, loaded.config, wrapper, generation_config, folder)
+    else:
+        from models.model import Model
+
+        model = Model(loaded.graph, loaded.config, wrapper, generation_config, folder, loaded.raw_config["model_type"])
+    model.precision, model.device_notes = loaded.precision, device_notes  # stated by --verbose
     return model

@@ -10,9 +10,9 @@ import mlx.core as mx
 
 from cache import cache_offset
 
-from .generate import DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions, generate_tokens
-from .image_processor import DEFAULT_MAX_SOFT_TOKENS, Gemma4ImageProcessor, ImageInput, ProcessedImage
-from .image_prompt import Prompt, expand_image_placeholders
+from models.generation.generate import DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions, generate_tokens
+from models.processing.image_processor import DEFAULT_MAX_SOFT_TOKENS, Gemma4ImageProcessor, ImageInput, ProcessedImage
+from models.generation.prompts import Prompt, expand_image_placeholders
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Model:
     @property
     def supports_images(self) -> bool:
         """True for checkpoints with a vision tower."""
-        return hasattr(self.graph, "encode_images")
+        return hasattr(self.graph, "image_features")
 
     def process_images(
         self, images: Sequence[ImageInput | ProcessedImage], max_soft_tokens: int | None = None
@@ -92,7 +92,14 @@ class Model:
         self, images: Sequence[ImageInput | ProcessedImage], max_soft_tokens: int | None = None
     ) -> list[mx.array]:
         """Each image's soft-token features ``[n_i, hidden]``, evaluated."""
-        features = self.graph.encode_images(self.process_images(images, max_soft_tokens))
+        processed = self.process_images(images, max_soft_tokens)
+        features = self.graph.image_features([(image.patches, image.position_ids) for image in processed])
+        for image, rows in zip(processed, features):
+            if rows.shape[0] != image.num_soft_tokens:
+                raise ValueError(
+                    f"image {image.source}: the vision tower gives {rows.shape[0]} soft tokens, "
+                    f"the processor announced {image.num_soft_tokens}"
+                )
         mx.eval(features)
         return features
 

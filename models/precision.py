@@ -5,14 +5,13 @@
 - **GPU** (Metal, CUDA): the checkpoint's dtype, as before (bf16 stays bf16).
 - **CPU with a fast BLAS** (``zoo_blas``: MKL or OpenBLAS on Linux, Accelerate on macOS): float32.
   MLX's CPU matmuls reach the BLAS only in float32 (one ``cblas_sgemm`` per product); bf16 and
-  fp16 products run MLX's own loops at 2-4 GB/s, so a bf16 checkpoint is upcast on load. Measured
-  on the 2-core box (``docs/speed.md``): fp32 decodes ~5x (24 vs 4.5 tok/s) and prefills ~14x
-  (378 vs 27 tok/s) faster than bf16 on the real Gemma 3 270M.
+  fp16 products run MLX's own loops, several times slower, so a bf16 checkpoint is upcast on load
+  (``docs/speed.md`` has the measurements).
 - **CPU with MLX's bundled reference BLAS** (``GEMMA_ZOO_BLAS=off``, or no fast BLAS installed):
   the checkpoint's dtype. There the reference sgemm is slower than MLX's bf16 loops.
 
 Upcasting doubles what the float weights take, so tables the model only *gathers rows from*
-(Gemma 4's per-layer embeddings, 2.3 G of E2B's parameters) keep the checkpoint's dtype: their
+(Gemma 4's per-layer embeddings, most of E2B's parameters) keep the checkpoint's dtype: their
 rows are cast as they are read. And when the upcast model would not fit in half of the machine's
 memory, the checkpoint's dtype is kept and the reason stated. Quantized weights (integer tensors)
 are left to ``apply_quantized_policy`` (dequantized to float32 on the CPU by default).
@@ -34,9 +33,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
+import zoo_switches
 from cache import cpu_math
-
-from .fused import HeadBlocks
+from graphs.layers import GeGLUMLP
+from graphs.speedups import VocabularyHead
 
 AUTO = "auto"
 # Parameters only ever gathered from (never a matmul operand): kept in the checkpoint's dtype.
@@ -134,33 +134,38 @@ def cast_module(module: nn.Module, precision: Precision) -> None:
 
 
 # ---------------------------------------------------------------------------------------- after loading
-QUANT_ENV = "GEMMA_ZOO_CPU_QUANT"
-QUANT_CHOICES = ("auto", "dequantize", "fp32-scales", "as-stored")
+QUANT_SWITCH = "GEMMA_ZOO_CPU_QUANT"
+STREAMS_SWITCH = "GEMMA_ZOO_STREAMS"
+CPU_STREAMS = 2  # decode's few-row products split over this many CPU streams
 
 
 def prepare(graph: nn.Module, precision: Precision) -> list[str]:
-    """Make a loaded graph fast on the device it will run on; returns what was done, one line each.
+    """The plan for the device the graph will run on, applied; returns what is in effect, one line each.
 
-    On the CPU the element-wise kernels of ``cache.cpu_math`` are in use (noted). With a fast BLAS
-    also: quantized layers follow ``quantized_policy`` (dequantized to
-    float32 by default) and the output head is laid out for the BLAS (``relayout_head``). On a GPU,
-    or without a fast BLAS, nothing changes.
+    On the CPU with a fast BLAS: quantized layers follow ``quantized_policy`` (dequantized to
+    float32 by default), the output head is stored transposed (``VocabularyHead.split_head``) and,
+    unless ``GEMMA_ZOO_STREAMS=0``, split over CPU streams with every GeGLU MLP
+    (``GeGLUMLP.use_streams``). On a GPU, or without a fast BLAS, the graph is left as built.
     """
     notes: list[str] = []
     if cpu_math.active():
-        notes.append(f"CPU kernels: vectorised exp (softmax), tanh (GELU, softcap), RoPE tables ({cpu_math.ENV}=0: MLX's ops)")
+        notes.append("CPU kernels: vectorised exp (softmax), tanh (GELU, softcap), RoPE tables (GEMMA_ZOO_FAST_MATH=0: MLX's ops)")
+    if zoo_switches.enabled("GEMMA_ZOO_COMPILE"):
+        notes.append("decode q/k norm + RoPE compiled (GEMMA_ZOO_COMPILE=0: as plain ops)")
     if not on_cpu() or not fast_cpu_blas():
         return notes
     if precision.auto:  # an explicit dtype is the user's choice for the scales too
         note = apply_quantized_policy(graph)
         if note:
             notes.append(note)
-    note = relayout_head(graph)
-    if note:
-        notes.append(note)
-    note = parallel_mlps(graph)
-    if note:
-        notes.append(note)
+    streams = CPU_STREAMS if zoo_switches.enabled(STREAMS_SWITCH) else 1
+    heads = [m for _, m in graph.named_modules() if isinstance(m, VocabularyHead)]
+    notes += [note for note in (head.split_head(streams) for head in heads) if note]
+    mlps = [m for _, m in graph.named_modules() if isinstance(m, GeGLUMLP)]
+    for mlp in mlps:
+        mlp.use_streams(streams)
+    if mlps and streams > 1:
+        notes.append(f"{len(mlps)} MLPs: decode gate and up products on {streams} CPU streams ({STREAMS_SWITCH}=0: one)")
     mx.clear_cache()  # buffers freed by the casts, dequantization and relayout go back to the system
     return notes
 
@@ -168,19 +173,15 @@ def prepare(graph: nn.Module, precision: Precision) -> list[str]:
 def quantized_policy(graph: nn.Module) -> tuple[str, str]:
     """``(choice, why)`` for the quantized layers of ``graph`` on this CPU (``$GEMMA_ZOO_CPU_QUANT``).
 
-    MLX's CPU ``quantized_matmul`` is a scalar loop: with bf16 scales (what ``mlx_lm.convert -q``
-    writes) the 270M decodes at ~0.6 tok/s, with float32 scales at ~5 tok/s, prefill ~10 tok/s.
-    Dequantized to float32 once, the same layers run through the BLAS like any float32 checkpoint
-    (~24 tok/s decode, ~600 tok/s prefill) and give the same products up to summation order, at the
-    memory of float32 (4 bytes a weight instead of ~0.56 at 4 bits). ``auto`` dequantizes when the
-    result fits in ``MEMORY_SHARE`` of the machine's memory, else keeps the packed weights with
-    float32 scales (small and slow).
+    MLX's CPU ``quantized_matmul`` is a scalar loop; dequantized to float32 once, the same layers
+    run through the BLAS like any float32 checkpoint and give the same products up to summation
+    order, at the memory of float32 (4 bytes a weight instead of ~0.56 at 4 bits). ``auto``
+    dequantizes when the result fits in ``MEMORY_SHARE`` of the machine's memory, else keeps the
+    packed weights with float32 scales (small and slow). ``docs/speed.md`` has the measurements.
     """
-    choice = os.environ.get(QUANT_ENV, "auto").strip().lower()
-    if choice not in QUANT_CHOICES:
-        raise ValueError(f"{QUANT_ENV}={choice!r}: use one of {', '.join(QUANT_CHOICES)}")
+    choice = zoo_switches.value(QUANT_SWITCH)
     if choice != "auto":
-        return choice, f"{QUANT_ENV}={choice}"
+        return choice, f"{QUANT_SWITCH}={choice}"
     dense = sum(_dense_bytes(m) for _, m in _quantized_leaves(graph)) + float_bytes(graph, quantized=False)
     memory = physical_memory()
     if memory and dense > MEMORY_SHARE * memory:
@@ -202,52 +203,12 @@ def apply_quantized_policy(graph: nn.Module) -> str | None:
         for path, module in leaves:
             _set_module(graph, path, _dequantized(module))
     # Everything else computes in float32 too (scales and biases of packed layers, norms, embeddings),
-    # so activations stay float32: MLX's CPU quantized matmul is ~8x slower with bf16 scales.
+    # so activations stay float32: MLX's CPU quantized matmul is several times slower with bf16 scales.
     cast_module(graph, Precision(mx.float32, "", GATHER_ONLY))
     mx.eval(graph.parameters())
     if choice == "fp32-scales":
         return f"quantized layers: {len(leaves)} kept packed with float32 scales ({why})"
     return f"quantized layers: {len(leaves)} dequantized to float32 on load ({why})"
-
-
-def relayout_head(graph: nn.Module) -> str | None:
-    """Store the output head's ``[V, H]`` weight as a view of its transpose, contiguous ``[H, V]``.
-
-    The head is ``h @ W.T``; with ``W.T`` contiguous the BLAS streams it as a plain ``[H, V]``
-    operand, which on the 2-core box reads the 262,144 x 640 float32 head at ~26 GB/s instead of
-    ~22 (26 ms instead of 31 per token); two contiguous row blocks of it, one per CPU stream, take
-    14 ms (``models.fused.head_product``). ``W`` itself is still a ``[V, H]`` array (a strided view
-    of the same memory), so embedding lookups, saving and every other use see the same values and
-    no memory is added (the copy is made once, here).
-    """
-    owner = next((m for _, m in [("", graph), *graph.named_modules()] if callable(getattr(m, "logits", None))
-                  and ("lm_head" in m or "embed_tokens" in m)), None)  # fmt: skip
-    if owner is None:  # e.g. a multimodal graph holds its decoder as language_model
-        return None
-    module = owner["lm_head"] if "lm_head" in owner else owner["embed_tokens"]
-    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "weight" not in module:
-        return None
-    weight = module.weight
-    if weight.dtype != mx.float32 or weight.ndim != 2:
-        return None
-    transposed = mx.contiguous(weight.T)
-    mx.eval(transposed)
-    module.weight = transposed.T
-    owner._head_blocks = HeadBlocks(module.weight, transposed)  # read by models.fused.head_product
-    name = "lm_head" if "lm_head" in owner else "tied embed_tokens"
-    return f"output head ({name}, {weight.shape[0]}x{weight.shape[1]}) stored transposed, split across 2 CPU streams"
-
-
-def parallel_mlps(graph: nn.Module) -> str | None:
-    """Every GeGLU MLP's decode on two CPU streams: gate and up projections (``models.fused``)."""
-    from graphs.layers import GeGLUMLP
-
-    from .fused import parallel_mlp
-
-    mlps = [m for _, m in graph.named_modules() if type(m) is GeGLUMLP]
-    for m in mlps:
-        parallel_mlp(m)
-    return f"{len(mlps)} MLPs on two CPU streams (decode: gate and up)" if mlps else None
 
 
 def _quantized_leaves(graph: nn.Module) -> list[tuple[str, nn.Module]]:

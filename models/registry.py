@@ -1,4 +1,9 @@
-"""Which graph, config parser and key mapping serve each checkpoint ``model_type``."""
+"""Which config parser, graph, key mapping and model object serve each checkpoint ``model_type``.
+
+Every architecture is registered here the same way, DiffusionGemma included; ``models.loading``
+has one loader for all of them. Families are imported lazily: one family's code never loads
+another's.
+"""
 
 from __future__ import annotations
 
@@ -11,18 +16,70 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Architecture:
-    """How to build one family: parse its config, build its graph, load mapped weights into it."""
+    """How to build one family: parse its config, build its graph, load a checkpoint's arrays into
+    it, and which user-facing object (``Model`` or ``DiffusionModel``) wraps the result."""
 
     parse_config: Callable[[Mapping[str, Any]], Any]
     build_graph: Callable[[Any], Any]
     load_weights: Callable[[Any, Mapping[str, Any]], None]
+    wrapper: str = "autoregressive"  # or "diffusion"
+
+
+class UnsupportedModelError(ValueError):
+    """A checkpoint whose ``model_type`` the zoo does not run (the message lists what it runs)."""
+
+
+# ---------------------------------------------------------------------------------------- weights
+# Each family's key mapping (``weights.*_keys``) takes plain values read off the graph here.
+def load_gemma4_text_weights(graph, weights) -> None:
+    from weights.gemma4_keys import map_gemma4_text_weights
+    from weights.modules import load_mapped, parameter_shapes
+
+    config = graph.config
+    reused = {i for i, mode in enumerate(config.kv_sharing_modes) if mode == "reuse"}
+    mapped = map_gemma4_text_weights(weights, parameter_shapes(graph), tied=config.tie_word_embeddings, reused_layers=reused)
+    load_mapped(graph, mapped, "gemma4 keys")
+
+
+def load_gemma4_vision_weights(tower, embedder, weights) -> None:
+    """A Gemma 4 vision tower and (unless None) its embedder, strictly from a checkpoint's arrays."""
+    from weights.gemma4_vision_keys import map_gemma4_vision_weights
+    from weights.modules import load_mapped, parameter_shapes
+
+    embedder_shapes = None if embedder is None else parameter_shapes(embedder)
+    mapped_tower, mapped_embedder = map_gemma4_vision_weights(
+        weights, parameter_shapes(tower), embedder_shapes, clipped=tower.config.use_clipped_linears
+    )
+    load_mapped(tower, mapped_tower, "gemma4 vision keys")
+    if embedder is not None:
+        load_mapped(embedder, mapped_embedder, "gemma4 vision keys")
+
+
+def load_gemma4_multimodal_weights(graph, weights) -> None:
+    load_gemma4_text_weights(graph.language_model, weights)
+    load_gemma4_vision_weights(graph.vision_tower, graph.embed_vision, weights)
+
+
+def load_gemma3_text_weights(graph, weights) -> None:
+    from weights.gemma3_keys import map_gemma3_text_weights
+    from weights.modules import load_mapped, parameter_shapes
+
+    mapped = map_gemma3_text_weights(weights, parameter_shapes(graph), tied=graph.config.tie_word_embeddings)
+    load_mapped(graph, mapped, "gemma3 keys")
+
+
+def load_diffusion_gemma_weights(graph, weights) -> None:
+    from weights.diffusion_gemma_keys import map_diffusion_gemma_weights
+    from weights.modules import load_mapped, parameter_shapes
+
+    vision = graph.config.vision
+    clipped = None if vision is None else vision.use_clipped_linears
+    load_mapped(graph, map_diffusion_gemma_weights(weights, parameter_shapes(graph), vision_clipped=clipped), "diffusion_gemma keys")
 
 
 def _gemma4_text(config: Mapping[str, Any], weight_names: Collection[str]) -> Architecture:
     from graphs.gemma4_text import Gemma4TextModel
-    from weights.gemma4_keys import load_gemma4_text_weights
-
-    from .gemma4_config import Gemma4TextConfig
+    from graphs.gemma4_text_config import Gemma4TextConfig
 
     return Architecture(Gemma4TextConfig.from_dict, Gemma4TextModel, load_gemma4_text_weights)
 
@@ -33,9 +90,8 @@ def _gemma4(config: Mapping[str, Any], weight_names: Collection[str]) -> Archite
     mlx-lm's conversions keep Google's config (vision_config included) but drop the tower: they
     load as the text model they are.
     """
+    from graphs.gemma4_multimodal_config import has_vision_config
     from weights.gemma4_multimodal_keys import has_vision_weights
-
-    from .gemma4_multimodal_config import has_vision_config
 
     if not has_vision_config(config):
         return _gemma4_text(config, weight_names)
@@ -44,35 +100,39 @@ def _gemma4(config: Mapping[str, Any], weight_names: Collection[str]) -> Archite
         return _gemma4_text(config, weight_names)
 
     from graphs.gemma4_multimodal import Gemma4MultimodalModel
-    from weights.gemma4_multimodal_keys import load_gemma4_multimodal_weights
-
-    from .gemma4_multimodal_config import Gemma4MultimodalConfig
+    from graphs.gemma4_multimodal_config import Gemma4MultimodalConfig
 
     return Architecture(Gemma4MultimodalConfig.from_dict, Gemma4MultimodalModel, load_gemma4_multimodal_weights)
 
 
-# model_type -> a function of (config.json dict, checkpoint key names) building its Architecture
-# (imported lazily: one family's code never loads another's).
 def _gemma3_text(config: Mapping[str, Any], weight_names: Collection[str]) -> Architecture:
-    from graphs.gemma3_text import Gemma3TextModel, load_gemma3_text_weights
-
-    from .gemma3_config import Gemma3TextConfig
+    from graphs.gemma3_text import Gemma3TextModel
+    from graphs.gemma3_text_config import Gemma3TextConfig
 
     return Architecture(Gemma3TextConfig.from_dict, Gemma3TextModel, load_gemma3_text_weights)
 
 
+def _diffusion_gemma(config: Mapping[str, Any], weight_names: Collection[str]) -> Architecture:
+    from graphs.diffusion_gemma import DiffusionGemmaModel
+    from graphs.diffusion_gemma_config import DiffusionGemmaConfig
+
+    return Architecture(DiffusionGemmaConfig.from_dict, DiffusionGemmaModel, load_diffusion_gemma_weights, wrapper="diffusion")
+
+
+# model_type -> a function of (config.json dict, checkpoint key names) building its Architecture.
 ARCHITECTURES: dict[str, Callable[[Mapping[str, Any], Collection[str]], Architecture]] = {
     "gemma4_text": _gemma4_text,
     "gemma4": _gemma4,
     "gemma3_text": _gemma3_text,
     "gemma3": _gemma3_text,  # the text part of a multimodal Gemma 3 checkpoint
+    "diffusion_gemma": _diffusion_gemma,
 }
 
 
 def architecture_for(config: Mapping[str, Any], source: str, weight_names: Collection[str]) -> Architecture:
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise ValueError(
-            f"unsupported model_type {model_type!r} in {source}; supported: {', '.join(sorted(ARCHITECTURES))}"
+        raise UnsupportedModelError(
+            f"unsupported model_type {model_type!r} in {source}; the zoo runs: {', '.join(sorted(ARCHITECTURES))}"
         )
     return ARCHITECTURES[model_type](config, weight_names)

@@ -7,7 +7,7 @@ from typing import Callable
 
 
 def _gemma3_270m() -> Path:
-    from .gemma3_assets import gemma3_270m_folder
+    from models.assets.gemma3_270m import gemma3_270m_folder
 
     return gemma3_270m_folder()
 

@@ -126,9 +126,9 @@ def read_config(directory: Path) -> dict:
 def load_ours(directory: Path):
     """Our ``DiffusionGemmaModel`` from ``directory``'s config.json and safetensors."""
     from graphs.diffusion_gemma import DiffusionGemmaModel
-    from models.diffusion_config import DiffusionGemmaConfig
+    from graphs.diffusion_gemma_config import DiffusionGemmaConfig
     from tests.hf_tiny import read_safetensors
-    from weights.diffusion_gemma_keys import load_diffusion_gemma_weights
+    from models.registry import load_diffusion_gemma_weights
 
     model = DiffusionGemmaModel(DiffusionGemmaConfig.from_dict(read_config(directory)))
     load_diffusion_gemma_weights(model, read_safetensors(directory))

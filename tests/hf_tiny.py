@@ -187,8 +187,8 @@ def float64_logits(hf_model, ids) -> np.ndarray:
 def load_graph(directory: Path):
     """Our ``Gemma4TextModel`` built from ``directory``'s config.json and loaded from its safetensors."""
     from graphs import Gemma4TextModel
-    from models.gemma4_config import Gemma4TextConfig
-    from weights.gemma4_keys import load_gemma4_text_weights
+    from graphs.gemma4_text_config import Gemma4TextConfig
+    from models.registry import load_gemma4_text_weights
 
     model = Gemma4TextModel(Gemma4TextConfig.from_dict(read_config(directory)))
     load_gemma4_text_weights(model, read_safetensors(directory))

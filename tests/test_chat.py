@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("transformers")
 pexpect = pytest.importorskip("pexpect")
 
-from models.chat import ChatSession  # noqa: E402
-from models.generate import prefill  # noqa: E402
-from models.tokenizer import gemma4_tokenizer_dir  # noqa: E402
+from models.generation.chat import ChatSession  # noqa: E402
+from models.generation.generate import prefill  # noqa: E402
+from models.assets.gemma4_tokenizer import gemma4_tokenizer_dir  # noqa: E402
 from tests.hf_tiny import BASE, S, F, save_causal_lm  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -162,7 +162,7 @@ def test_missing_model_says_how_to_pass_a_folder():
 
 
 def test_sampling_with_seed_is_reproducible(model):
-    from models.generate import SamplingOptions
+    from models.generation.generate import SamplingOptions
 
     options = dict(max_tokens=10, sampling=SamplingOptions(temp=1.0, top_p=0.9, top_k=50, min_p=0.01, seed=7))
     a = model.generate("Once upon a time", **options)
@@ -189,7 +189,7 @@ def test_streaming_never_splits_a_multibyte_character(model):
 def test_kv_bits_flags_quantize_the_cache(chat_checkpoint, model):
     import subprocess
 
-    from models.generate import KVQuantization
+    from models.generation.generate import KVQuantization
 
     flags = ["--kv-bits", "8", "--kv-group-size", "32", "--quantized-kv-start", "0", "--max-tokens", "8"]
     out = subprocess.run(

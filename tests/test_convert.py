@@ -110,8 +110,8 @@ def test_mlx_lm_loads_the_converted_folder(sources, tmp_path, name, bits, group_
 
 
 def test_mlx_lm_config_keys_do_not_change_our_config(sources):
-    from models.gemma3_config import Gemma3TextConfig
-    from models.gemma4_config import Gemma4TextConfig
+    from graphs.gemma3_text_config import Gemma3TextConfig
+    from graphs.gemma4_text_config import Gemma4TextConfig
 
     for name, parse, keys in [
         ("T3", Gemma4TextConfig.from_dict, {"global_head_dim": 64, "num_global_key_value_heads": 1}),
@@ -202,5 +202,5 @@ def test_quantized_vision_tower_round_trip(sources, tmp_path):
     on_load = models.load(str(sources / "T5"), tokenizer=False, q_policy=QuantizationPolicy(8, 32, quantize_vision=True))
     assert quantized_modules(loaded.graph) == quantized_modules(on_load.graph)
     picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 144, 3), dtype=np.uint8))
-    features = [m.graph.encode_images(m.process_images([picture], max_soft_tokens=70))[0] for m in (loaded, on_load)]
+    features = [m.encode_images([picture], max_soft_tokens=70)[0] for m in (loaded, on_load)]
     assert mx.array_equal(*features)

@@ -27,7 +27,7 @@ def test_zoo_model_greedy_continuation_is_the_reference_one():
     """Greedy ids of the real 270M through ``models.load('gemma-3-270m')`` equal the golden ids
     recorded from transformers (``shared/reference/real-assets.md`` B1)."""
     import models
-    from models.generate import generate_tokens
+    from models.generation.generate import generate_tokens
 
     model = models.load("gemma-3-270m")
     ids = model.tokenizer.encode("The capital of France is")

@@ -72,8 +72,8 @@ def test_real_tokenizer_chat_template_and_image(tmp_path):
     image placeholder in the user turn, it expands to the image's soft tokens, and the demo runs."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
-    from models.diffusion_model import load_diffusion
-    from models.tokenizer import gemma4_tokenizer_dir
+    from models import load
+    from models.assets.gemma4_tokenizer import gemma4_tokenizer_dir
 
     folder = tmp_path / "model"
     with tiny.one_torch_thread():
@@ -87,7 +87,7 @@ def test_real_tokenizer_chat_template_and_image(tmp_path):
     picture = tmp_path / "picture.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 144, 3), dtype=np.uint8)).save(picture)
 
-    model = load_diffusion(folder)
+    model = load(folder)
     ids = model.chat_ids("What is this?", images=1)
     assert ids.count(model.config.image_token_id) == 1
     prompt = model.prompt(ids, [str(picture)], max_soft_tokens=70)

@@ -22,8 +22,8 @@ pytest.importorskip("transformers")
 
 from transformers.models.diffusion_gemma import generation_diffusion_gemma as reference  # noqa: E402
 
-from models.diffusion_config import DiffusionGenerationConfig  # noqa: E402
-from models.diffusion_generate import (  # noqa: E402
+from models.generation.diffusion_options import DiffusionGenerationConfig  # noqa: E402
+from models.generation.diffusion import (  # noqa: E402
     CommittedBlock,
     DenoiseStep,
     Finished,
@@ -36,7 +36,7 @@ from models.diffusion_generate import (  # noqa: E402
     prefill_chunks,
     stream_diffusion,
 )
-from models.image_processor import Gemma4ImageProcessor  # noqa: E402
+from models.processing.image_processor import Gemma4ImageProcessor  # noqa: E402
 from tests import diffusion_tiny as tiny  # noqa: E402
 
 C = 8
@@ -356,7 +356,7 @@ def test_max_length_rule():
 def test_kv_quantization_switches_the_encoder_caches(models):
     """``--kv-bits`` for DiffusionGemma: below the start offset nothing changes; past it every
     cache holds quantized storage and the canvas reads run on it."""
-    from models.generate import KVQuantization
+    from models.generation.generate import KVQuantization
 
     _, ours = models("random")
     options = DiffusionGenerationConfig(max_new_tokens=3 * C, max_denoising_steps=3)

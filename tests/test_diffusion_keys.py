@@ -1,4 +1,4 @@
-"""DiffusionGemma checkpoints: the transformers and mlx-vlm layouts, strict errors, config parsing, ``load_diffusion``."""
+"""DiffusionGemma checkpoints: the transformers and mlx-vlm layouts, strict errors, config parsing, ``models.load``."""
 
 from __future__ import annotations
 
@@ -15,11 +15,13 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from graphs.diffusion_gemma import DiffusionGemmaModel  # noqa: E402
-from models.diffusion_config import DiffusionGemmaConfig  # noqa: E402
-from models.diffusion_model import load_diffusion  # noqa: E402
+from graphs.diffusion_gemma_config import DiffusionGemmaConfig  # noqa: E402
+from models import load  # noqa: E402
 from tests import diffusion_tiny as tiny  # noqa: E402
 from tests.hf_tiny import read_safetensors  # noqa: E402
-from weights.diffusion_gemma_keys import load_diffusion_gemma_weights, map_diffusion_gemma_weights  # noqa: E402
+from models.registry import load_diffusion_gemma_weights
+from weights.diffusion_gemma_keys import map_diffusion_gemma_weights
+from weights.modules import parameter_shapes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +87,9 @@ def test_damaged_checkpoints_raise_naming_the_key(checkpoint, change, message):
     weights = dict(read_safetensors(checkpoint))
     change(weights)
     with pytest.raises(ValueError, match=message):
-        map_diffusion_gemma_weights(weights, fresh(checkpoint))
+        graph = fresh(checkpoint)
+        vision = graph.config.vision
+        map_diffusion_gemma_weights(weights, parameter_shapes(graph), vision_clipped=None if vision is None else vision.use_clipped_linears)
 
 
 def test_config_is_the_gemma4_text_config_with_the_switches_set(checkpoint):
@@ -139,7 +143,7 @@ def test_load_diffusion_honours_generation_config_json(checkpoint, tmp_path):
         json.dumps({"max_denoising_steps": 3, "t_min": None, "eos_token_id": [1, 7], "pad_token_id": 0,
                     "sampler_config": {"entropy_bound": 0.5, "_cls_name": "EntropyBoundSamplerConfig"}})  # fmt: skip
     )
-    model = load_diffusion(folder)
+    model = load(folder)
     assert model.tokenizer is None
     options = model.options()
     assert (options.max_denoising_steps, options.t_min, options.entropy_bound, options.eos_token_id) == (3, 0.4, 0.5, (1, 7))
@@ -155,7 +159,7 @@ def test_load_diffusion_honours_generation_config_json(checkpoint, tmp_path):
 def test_load_diffusion_image_prompt(checkpoint):
     from PIL import Image
 
-    model = load_diffusion(checkpoint)
+    model = load(checkpoint)
     picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 144, 3), dtype=np.uint8))
     prompt = model.prompt([2, 251, 17], [picture], max_soft_tokens=70)  # one placeholder per image
     assert prompt.ids[:2] == [2, 250] and prompt.ids[-2:] == [252, 17]

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from graphs.diffusion_gemma import DiffusionGemmaModel  # noqa: E402
-from models.image_processor import Gemma4ImageProcessor  # noqa: E402
+from models.processing.image_processor import Gemma4ImageProcessor  # noqa: E402
 from tests import diffusion_tiny as tiny  # noqa: E402
 
 TOL = 1e-4
@@ -89,7 +89,7 @@ def check_decoder(hf, ours, hf_cache, cache, position: int, seed: int) -> None:
 
 def run_blocks(hf, ours, prompt: np.ndarray, *, images=None, hf_images=None, blocks: int = 3, prefill_step=None):
     """Prompt then ``blocks`` committed blocks on both sides; caches and logits checked after each append."""
-    from models.diffusion_generate import _encode_prompt
+    from models.generation.diffusion import _encode_prompt
 
     hf_cache = tiny.hf_encode(hf, prompt, None, image_inputs=hf_images)
     cache = ours.make_cache()

@@ -8,13 +8,16 @@ from types import SimpleNamespace
 
 import pytest
 
-import models.gemma3_assets as assets
+import zoo_switches
+
+import models.assets.gemma3_270m as assets
 from weights.resolve import ModelNotAvailableError
 
 
 @pytest.fixture
 def empty_assets(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("GEMMA_ZOO_ASSETS", str(tmp_path))
+    monkeypatch.setattr(zoo_switches, "_cache", {})  # the environment above is read afresh, and forgotten after
     return tmp_path
 
 

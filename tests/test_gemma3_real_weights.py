@@ -66,7 +66,7 @@ He has made Judges dependent on his Will alone, for the tenure of their offices,
 
 @pytest.fixture(scope="module")
 def folder():
-    from models.gemma3_assets import gemma3_270m_folder
+    from models.assets.gemma3_270m import gemma3_270m_folder
 
     try:
         return gemma3_270m_folder()
@@ -101,8 +101,9 @@ def reference_logprobs(reference, ids) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def ours(folder):
-    from graphs.gemma3_text import Gemma3TextModel, load_gemma3_text_weights
-    from models.gemma3_config import Gemma3TextConfig
+    from graphs.gemma3_text import Gemma3TextModel
+    from models.registry import load_gemma3_text_weights
+    from graphs.gemma3_text_config import Gemma3TextConfig
 
     model = Gemma3TextModel(Gemma3TextConfig.from_dict(json.loads((folder / "config.json").read_text())))
     load_gemma3_text_weights(model, mx.load(str(folder / "model.safetensors")))
@@ -183,7 +184,7 @@ def test_converted_weights_equal_transformers_gguf_loader(folder):
     from safetensors.numpy import load_file
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from models.gemma3_assets import gemma3_270m_gguf
+    from models.assets.gemma3_270m import gemma3_270m_gguf
 
     with torch.device("meta"):
         skeleton = transformers.Gemma3ForCausalLM(transformers.AutoConfig.from_pretrained(folder))

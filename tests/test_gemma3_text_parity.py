@@ -16,8 +16,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from graphs.gemma3_text import Gemma3TextModel, load_gemma3_text_weights, map_gemma3_text_weights  # noqa: E402
-from models.gemma3_config import FULL, SLIDING, Gemma3TextConfig  # noqa: E402
+from graphs.gemma3_text import Gemma3TextModel
+from models.registry import load_gemma3_text_weights
+from weights.gemma3_keys import map_gemma3_text_weights
+from weights.modules import parameter_shapes  # noqa: E402
+from graphs.gemma3_text_config import FULL, SLIDING, Gemma3TextConfig  # noqa: E402
 
 S, F = SLIDING, FULL
 WINDOW = 8
@@ -143,13 +146,14 @@ def test_key_layouts_and_errors(tmp_path):
     # the text part of a multimodal checkpoint, with its vision tower
     multimodal = {"model.language_model." + k.removeprefix("model."): v for k, v in weights.items()}
     multimodal["model.vision_tower.encoder.w"] = mx.zeros((2,))
-    assert set(map_gemma3_text_weights(multimodal, model)) == set(map_gemma3_text_weights(weights, model))
+    shapes, tied = parameter_shapes(model), model.config.tie_word_embeddings
+    assert set(map_gemma3_text_weights(multimodal, shapes, tied=tied)) == set(map_gemma3_text_weights(weights, shapes, tied=tied))
     with pytest.raises(ValueError, match="unexpected key 'model.layers.0.self_attn.extra.weight'"):
-        map_gemma3_text_weights({**weights, "model.layers.0.self_attn.extra.weight": mx.zeros((2,))}, model)
+        map_gemma3_text_weights({**weights, "model.layers.0.self_attn.extra.weight": mx.zeros((2,))}, shapes, tied=tied)
     with pytest.raises(ValueError, match="lacks 1 parameters: norm.weight"):
-        map_gemma3_text_weights({k: v for k, v in weights.items() if k != "model.norm.weight"}, model)
+        map_gemma3_text_weights({k: v for k, v in weights.items() if k != "model.norm.weight"}, shapes, tied=tied)
     with pytest.raises(ValueError, match="'model.norm.weight' has shape"):
-        map_gemma3_text_weights({**weights, "model.norm.weight": mx.zeros((3,))}, model)
+        map_gemma3_text_weights({**weights, "model.norm.weight": mx.zeros((3,))}, shapes, tied=tied)
 
 
 @pytest.mark.parametrize(

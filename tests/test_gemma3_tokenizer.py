@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from models.assets import assets_dir
+from models.assets.fetch import assets_dir
 from weights.resolve import ModelNotAvailableError
 
 pytestmark = pytest.mark.slow
@@ -68,7 +68,7 @@ def released() -> Path:
 
 @pytest.fixture(scope="module")
 def ours() -> Path:
-    from models.gemma3_assets import gemma3_270m_folder
+    from models.assets.gemma3_270m import gemma3_270m_folder
 
     try:
         return gemma3_270m_folder()

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 pytest.importorskip("transformers")
 from transformers import Gemma4TextConfig as ReferenceConfig  # noqa: E402
 
-from models.gemma4_config import FULL, SLIDING, Gemma4TextConfig  # noqa: E402
+from graphs.gemma4_text_config import FULL, SLIDING, Gemma4TextConfig  # noqa: E402
 from tests import hf_tiny  # noqa: E402
 
 

@@ -12,13 +12,11 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from graphs import Gemma4TextModel  # noqa: E402
-from models.gemma4_config import Gemma4TextConfig  # noqa: E402
+from graphs.gemma4_text_config import Gemma4TextConfig  # noqa: E402
 from tests import hf_tiny  # noqa: E402
-from weights.gemma4_keys import (  # noqa: E402
-    load_gemma4_text_weights,
-    map_gemma4_text_weights,
-    parameter_shapes,
-)
+from models.registry import load_gemma4_text_weights  # noqa: E402
+from weights.gemma4_keys import map_gemma4_text_weights  # noqa: E402
+from weights.modules import parameter_shapes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +32,8 @@ def checkpoints(tmp_path_factory):
 
 def mapped_and_expected(config, weights):
     expected = parameter_shapes(Gemma4TextModel(config))
-    return map_gemma4_text_weights(weights, config, expected), expected
+    reused = {i for i, mode in enumerate(config.kv_sharing_modes) if mode == "reuse"}
+    return map_gemma4_text_weights(weights, expected, tied=config.tie_word_embeddings, reused_layers=reused), expected
 
 
 def to_mlx_lm_layout(weights: dict, prefix: str) -> dict:

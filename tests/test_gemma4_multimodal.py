@@ -22,9 +22,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import models  # noqa: E402
-from models.chat import image_safe_prefix  # noqa: E402
-from models.generate import generate_tokens, prefill  # noqa: E402
-from models.image_prompt import ImageSpan, Prompt, prefill_chunks  # noqa: E402
+from models.generation.chat import image_safe_prefix  # noqa: E402
+from models.generation.generate import generate_tokens, prefill  # noqa: E402
+from models.generation.prompts import ImageSpan, Prompt, prefill_chunks  # noqa: E402
 from tests.hf_tiny import F, S, T5_TEXT, T5_TOKENS, T5_VISION, read_safetensors  # noqa: E402
 from tests.test_gemma4_vision_parity import randomize, synthetic_images  # noqa: E402
 

@@ -4,7 +4,7 @@ The checkpoint has the released vocabulary (262,144 ids), so the template's ``<|
 placeholder (258880) and ``<|image>`` / ``<image|>`` (255999 / 258882) are the model's own image
 ids. The session keeps its cache across turns; whatever a turn feeds (an image after cached text,
 text after a cached image, a rebuilt cache after edited history) must give what a fresh prefill of
-the whole conversation gives. The photos are real (``models.photos``).
+the whole conversation gives. The photos are real (``models.assets.photos``).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ torch = pytest.importorskip("torch")
 pexpect = pytest.importorskip("pexpect")
 
 import models  # noqa: E402
-from models.assets import AssetFetchError  # noqa: E402
-from models.chat import ChatSession  # noqa: E402
-from models.generate import prefill  # noqa: E402
-from models.photos import fetch_photos  # noqa: E402
-from models.tokenizer import gemma4_tokenizer_dir  # noqa: E402
+from models.assets.fetch import AssetFetchError  # noqa: E402
+from models.generation.chat import ChatSession  # noqa: E402
+from models.generation.generate import prefill  # noqa: E402
+from models.assets.photos import fetch_photos  # noqa: E402
+from models.assets.gemma4_tokenizer import gemma4_tokenizer_dir  # noqa: E402
 from tests.hf_tiny import F, S, T5_TEXT, T5_VISION  # noqa: E402
 from tests.test_gemma4_vision_parity import randomize  # noqa: E402
 
@@ -150,7 +150,7 @@ def test_edited_history_refeeds_images_without_the_vision_tower(model, photos, m
     "".join(session.send("Hello."))
     "".join(session.send("Look at this.", images=photos[:1]))
     session.messages[0]["content"] = "Hello, hello."  # history changes before the image
-    monkeypatch.setattr(model.graph, "encode_images", lambda images: pytest.fail("the vision tower ran again"))
+    monkeypatch.setattr(model.graph, "image_features", lambda images: pytest.fail("the vision tower ran again"))
     cached, fresh, fed = next_turn_logits(session, "Once more?")
     assert session.fed_images[0].start >= len(session.fed) - fed  # the image was fed again
     assert float(mx.max(mx.abs(cached - fresh))) < 1e-4

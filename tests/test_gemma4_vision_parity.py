@@ -20,12 +20,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from graphs.gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower, encode_images  # noqa: E402
-from models.assets import AssetFetchError  # noqa: E402
-from models.gemma4_vision_config import Gemma4VisionConfig  # noqa: E402
-from models.image_processor import Gemma4ImageProcessor  # noqa: E402
-from models.photos import fetch_photos  # noqa: E402
+from models.assets.fetch import AssetFetchError  # noqa: E402
+from graphs.gemma4_vision_config import Gemma4VisionConfig  # noqa: E402
+from models.processing.image_processor import Gemma4ImageProcessor  # noqa: E402
+from models.assets.photos import fetch_photos  # noqa: E402
 from tests.hf_tiny import T5_TEXT, T5_TOKENS, T5_VISION, read_config, read_safetensors  # noqa: E402
-from weights.gemma4_vision_keys import load_gemma4_vision_weights  # noqa: E402
+from models.registry import load_gemma4_vision_weights  # noqa: E402
 
 HFProcessor = transformers.models.gemma4.image_processing_pil_gemma4.Gemma4ImageProcessorPil
 TOL = 1e-4

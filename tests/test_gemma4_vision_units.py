@@ -13,9 +13,10 @@ import pytest
 from mlx.utils import tree_flatten
 
 from graphs.gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower, encode_images
-from models.gemma4_vision_config import Gemma4VisionConfig
-from models.image_processor import Gemma4ImageProcessor
-from weights.gemma4_vision_keys import load_gemma4_vision_weights, map_gemma4_vision_weights
+from graphs.gemma4_vision_config import Gemma4VisionConfig
+from models.processing.image_processor import Gemma4ImageProcessor
+from models.registry import load_gemma4_vision_weights
+from weights.gemma4_vision_keys import map_gemma4_vision_weights
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
             head_dim=16, position_embedding_size=64)  # fmt: skip
@@ -122,7 +123,7 @@ def _mapping_error(weights, config, embedder=True):
     expected_tower = {k: v.shape for k, v in tree_flatten(Gemma4VisionTower(config).parameters())}
     expected_embedder = {k: v.shape for k, v in tree_flatten(Gemma4MultimodalEmbedder(32, 64, 1e-6).parameters())}
     with pytest.raises(ValueError) as info:
-        map_gemma4_vision_weights(weights, config, expected_tower, expected_embedder if embedder else None)
+        map_gemma4_vision_weights(weights, expected_tower, expected_embedder if embedder else None, clipped=config.use_clipped_linears)
     return str(info.value)
 
 

@@ -157,8 +157,9 @@ def test_weights_are_the_dequantized_values_with_norms_restored(converted):
 
 
 def test_folder_runs_in_transformers_and_in_our_graph(converted):
-    from graphs.gemma3_text import Gemma3TextModel, load_gemma3_text_weights
-    from models.gemma3_config import Gemma3TextConfig
+    from graphs.gemma3_text import Gemma3TextModel
+    from models.registry import load_gemma3_text_weights
+    from graphs.gemma3_text_config import Gemma3TextConfig
 
     reference, _, out = converted
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
@@ -256,8 +257,9 @@ def test_existing_output_and_missing_input(tmp_path, converted):
 
 
 def test_untied_head_is_kept(tmp_path):
-    from graphs.gemma3_text import Gemma3TextModel, load_gemma3_text_weights
-    from models.gemma3_config import Gemma3TextConfig
+    from graphs.gemma3_text import Gemma3TextModel
+    from models.registry import load_gemma3_text_weights
+    from graphs.gemma3_text_config import Gemma3TextConfig
 
     head = np.random.default_rng(2).normal(0, 0.1, (len(TOKENS), CONFIG["hidden_size"])).astype(np.float32)
     _write_gguf(tmp_path / "untied.gguf", extra_tensor=("output.weight", head))

@@ -13,16 +13,18 @@ import re
 
 import numpy as np
 import pytest
+
+import zoo_switches
 from PIL import Image
 
-from models.assets import AssetFetchError
-from models.image_processor import (
+from models.assets.fetch import AssetFetchError
+from models.processing.image_processor import (
     SUPPORTED_SOFT_TOKEN_BUDGETS,
     Gemma4ImageProcessor,
     ProcessedImage,
     target_size,
 )
-from models.photos import PHOTOS, fetch_photos
+from models.assets.photos import PHOTOS, fetch_photos
 
 transformers_gemma4 = pytest.importorskip("transformers.models.gemma4.image_processing_pil_gemma4")
 HFProcessor = transformers_gemma4.Gemma4ImageProcessorPil
@@ -140,13 +142,14 @@ def test_cached_photos_need_no_download(photos, monkeypatch):
     def no_pip(*args, **kwargs):
         raise AssertionError("fetch_photos ran pip although every photo was cached")
 
-    monkeypatch.setattr("models.photos.subprocess.run", no_pip)
+    monkeypatch.setattr("models.assets.photos.subprocess.run", no_pip)
     assert fetch_photos() == photos
 
 
 @pytest.mark.slow
 def test_assets_folder_override_and_damaged_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMA_ZOO_ASSETS", str(tmp_path))
+    monkeypatch.setattr(zoo_switches, "_cache", {})  # the environment above is read afresh, and forgotten after
     try:
         path = fetch_photos(["chelsea.png"])["chelsea.png"]
     except AssetFetchError as exc:

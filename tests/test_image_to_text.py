@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
 import models  # noqa: E402
-from models.chat import ChatSession  # noqa: E402
+from models.generation.chat import ChatSession  # noqa: E402
 from tests.test_gemma4_multimodal_chat import build_chat_checkpoint, real_photos  # noqa: E402
 
 pytestmark = pytest.mark.slow

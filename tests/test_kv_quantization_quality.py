@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from models.generate import KVQuantization, prefill
+from models.generation.generate import KVQuantization, prefill
 from cache import cache_offset
 
 torch = pytest.importorskip("torch")

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import models  # noqa: E402
-from models.generate import GenerationStats, SamplingOptions, generate_tokens  # noqa: E402
+from models.generation.generate import GenerationStats, SamplingOptions, generate_tokens  # noqa: E402
 from tests import hf_tiny  # noqa: E402
 
 

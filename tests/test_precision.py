@@ -13,8 +13,10 @@ torch = pytest.importorskip("torch")
 import models  # noqa: E402
 from graphs.gemma3_text import GemmaRMSNorm  # noqa: E402
 from graphs.layers import RMSNorm, RoPE  # noqa: E402
-from models import fused, precision  # noqa: E402
-from models.generate import generate_tokens  # noqa: E402
+import zoo_switches  # noqa: E402
+from graphs import speedups  # noqa: E402
+from models import precision  # noqa: E402
+from models.generation.generate import generate_tokens  # noqa: E402
 from tests import hf_tiny  # noqa: E402
 from tests import quant_tiny as qt  # noqa: E402
 
@@ -102,14 +104,14 @@ def test_head_relayout_changes_no_value(checkpoints):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_layers_dequantized_on_cpu_give_the_quantized_model(checkpoints, monkeypatch, bits):
     folder = str(checkpoints / "f32")
-    monkeypatch.setenv(precision.QUANT_ENV, "as-stored")
-    stored = models.load(folder, tokenizer=False, q_bits=bits, q_group_size=32)
-    monkeypatch.setenv(precision.QUANT_ENV, "dequantize")
-    dense = models.load(folder, tokenizer=False, q_bits=bits, q_group_size=32)
+    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT="as-stored"):
+        stored = models.load(folder, tokenizer=False, q_bits=bits, q_group_size=32)
+    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT="dequantize"):
+        dense = models.load(folder, tokenizer=False, q_bits=bits, q_group_size=32)
     assert not precision._quantized_leaves(dense.graph)
     assert any("dequantized" in note for note in dense.device_notes)
-    monkeypatch.setenv(precision.QUANT_ENV, "fp32-scales")
-    scaled = models.load(folder, tokenizer=False, q_bits=bits, q_group_size=32)
+    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT="fp32-scales"):
+        scaled = models.load(folder, tokenizer=False, q_bits=bits, q_group_size=32)
     leaves = precision._quantized_leaves(scaled.graph)
     assert leaves and all(m.scales.dtype == mx.float32 for _, m in leaves)
     ids = qt.token_ids(3, 24, 256)
@@ -120,17 +122,22 @@ def test_quantized_layers_dequantized_on_cpu_give_the_quantized_model(checkpoint
 
 @cpu_with_blas
 def test_auto_quantized_policy_falls_back_to_packed_when_memory_is_short(checkpoints, monkeypatch):
-    monkeypatch.setenv(precision.QUANT_ENV, "auto")
     monkeypatch.setattr(precision, "physical_memory", lambda: 1024)
-    model = models.load(str(checkpoints / "f32"), tokenizer=False, q_bits=4, q_group_size=32)
+    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT="auto"):
+        model = models.load(str(checkpoints / "f32"), tokenizer=False, q_bits=4, q_group_size=32)
     assert precision._quantized_leaves(model.graph)
     assert any("packed with float32 scales" in note for note in model.device_notes)
 
 
 def test_unknown_quantized_policy_is_refused(monkeypatch):
-    monkeypatch.setenv(precision.QUANT_ENV, "fast")
-    with pytest.raises(ValueError, match="GEMMA_ZOO_CPU_QUANT"):
-        precision.quantized_policy(nn.Linear(2, 2))
+    monkeypatch.setenv(precision.QUANT_SWITCH, "fast")
+    zoo_switches.reload()
+    try:
+        with pytest.raises(ValueError, match="GEMMA_ZOO_CPU_QUANT"):
+            precision.quantized_policy(nn.Linear(2, 2))
+    finally:
+        monkeypatch.delenv(precision.QUANT_SWITCH)
+        zoo_switches.reload()
 
 
 # ---------------------------------------------------------------------------------------- compiled pieces
@@ -148,7 +155,7 @@ def test_fused_norm_rope_is_bit_identical(kind, norm_kind, dtype):
         norm.weight = mx.random.normal((D,), key=mx.random.key(1)) * 0.1
     for offset in (0, 5, 4097):
         x = mx.random.normal((1, 4, 1, D), key=mx.random.key(offset)).astype(dtype)
-        got = fused.norm_rope(x, norm, rope, offset, plus_one=norm_kind == "gemma3")
+        got = speedups.norm_rope(x, norm, rope, offset, plus_one=norm_kind == "gemma3")
         assert got.dtype == dtype
         assert mx.array_equal(got, rope(norm(x), offset)).item()
 
@@ -157,8 +164,8 @@ def test_compiled_decode_generates_the_same_tokens(checkpoints, monkeypatch):
     model = models.load(str(checkpoints / "f32"), tokenizer=False)
     prompt = [2, 17, 99, 4, 56, 200, 31]
     compiled = list(generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=24))
-    monkeypatch.setenv(fused.ENV, "0")
-    plain = list(generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=24))
+    with zoo_switches.override(GEMMA_ZOO_COMPILE="0"):
+        plain = list(generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=24))
     assert compiled == plain
 
 
@@ -166,8 +173,9 @@ def test_compiled_decode_generates_the_same_tokens(checkpoints, monkeypatch):
 @cpu_with_blas
 def test_split_head_and_parallel_mlp_keep_the_numbers(checkpoints, monkeypatch):
     model = models.load(str(checkpoints / "f32"), tokenizer=False)
-    assert getattr(model.graph, "_head_blocks", None) is not None
-    assert any("two CPU streams" in note for note in model.device_notes)
+    assert model.graph.head_blocks is not None
+    assert any("on 2 CPU streams" in note for note in model.device_notes)
+    assert any("split across 2 CPU streams" in note for note in model.device_notes)
     ids = [[2, 17, 99, 4, 56, 200, 31, 7]]
     prompt = [2, 17, 99, 4, 56, 200, 31]
     split_tokens = list(generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=24))
@@ -176,7 +184,10 @@ def test_split_head_and_parallel_mlp_keep_the_numbers(checkpoints, monkeypatch):
     cache = model.make_cache()
     model.logits(ids[0][:-1], cache)
     split_last = model.logits(ids[0][-1:], cache)
-    monkeypatch.setenv(fused.STREAMS_ENV, "0")
+    with zoo_switches.override(GEMMA_ZOO_STREAMS="0"):
+        model = models.load(str(checkpoints / "f32"), tokenizer=False)
+    assert model.graph.head_blocks is None
+    assert not any("CPU streams" in note for note in model.device_notes)  # --verbose says what is in effect
     plain_tokens = list(generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=24))
     cache = model.make_cache()
     model.logits(ids[0][:-1], cache)
@@ -194,4 +205,4 @@ def test_replaced_head_weight_is_never_read_from_stale_blocks(checkpoints):
     h = mx.random.normal((1, 1, graph.config.hidden_size), key=mx.random.key(3))
     graph.embed_tokens.weight = graph.embed_tokens.weight * 2  # e.g. new weights loaded
     want = graph.embed_tokens.as_linear(h)
-    assert mx.array_equal(fused.head_product(graph, h), want).item()
+    assert mx.array_equal(graph.head_product(h), want).item()

@@ -271,8 +271,7 @@ def _image_features(model):
     from PIL import Image
 
     picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 144, 3), dtype=np.uint8))
-    processed = model.process_images([picture], max_soft_tokens=70)
-    return model.graph.encode_images(processed)[0]
+    return model.encode_images([picture], max_soft_tokens=70)[0]
 
 
 def test_multimodal_vision_tower_policy(multimodal_checkpoint):

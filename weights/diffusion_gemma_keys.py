@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import mlx.core as mx
 
-from weights.gemma4_keys import parameter_shapes
 from weights.gemma4_vision_keys import map_gemma4_vision_weights
-from weights.quantize import is_quantized_entry, prepare_quantized
+from weights.quantize import is_quantized_entry
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +38,14 @@ _ENCODER_SCALAR = re.compile(r"layers\.(\d+)\.layer_scalar")
 _EXPERT_SUFFIXES = (".weight", ".scales", ".biases")
 
 
-def map_diffusion_gemma_weights(weights: Mapping[str, mx.array], model) -> dict[str, mx.array]:
-    """``{graph parameter name: array}`` for ``model`` from a checkpoint's ``{key: array}``, shape-checked."""
-    expected = parameter_shapes(model)
+def map_diffusion_gemma_weights(
+    weights: Mapping[str, mx.array], expected: Mapping[str, Sequence[int]], *, vision_clipped: bool | None
+) -> dict[str, mx.array]:
+    """``{graph parameter name: array}`` from a checkpoint's ``{key: array}``, shape-checked.
+
+    ``expected`` is the graph's ``{parameter name: shape}``; ``vision_clipped`` is the vision
+    config's ``use_clipped_linears``, or None for a graph without a vision tower.
+    """
     mapped: dict[str, mx.array] = {}
     for key, value in weights.items():
         for name, array in _text_entries(key, value):
@@ -57,9 +61,9 @@ def map_diffusion_gemma_weights(weights: Mapping[str, mx.array], model) -> dict[
             if name in mapped:
                 raise ValueError(f"diffusion_gemma keys: {key!r} maps to {name!r}, which another key already provided")
             mapped[name] = array
-    if "vision_tower" in model:
+    if vision_clipped is not None:
         tower, embedder = map_gemma4_vision_weights(
-            weights, model.config.vision, parameter_shapes(model.vision_tower), parameter_shapes(model.embed_vision)
+            weights, _below(expected, "vision_tower."), _below(expected, "embed_vision."), clipped=vision_clipped
         )
         mapped.update({f"vision_tower.{k}": v for k, v in tower.items()})
         mapped.update({f"embed_vision.{k}": v for k, v in embedder.items()})
@@ -73,11 +77,8 @@ def map_diffusion_gemma_weights(weights: Mapping[str, mx.array], model) -> dict[
     return mapped
 
 
-def load_diffusion_gemma_weights(model, weights: Mapping[str, mx.array]) -> None:
-    """Map ``weights`` onto ``model`` (a ``DiffusionGemmaModel``) and load them strictly."""
-    mapped = map_diffusion_gemma_weights(weights, model)
-    prepare_quantized(model, mapped, "diffusion_gemma keys")
-    model.load_weights(list(mapped.items()), strict=True)
+def _below(expected: Mapping[str, Sequence[int]], prefix: str) -> dict[str, Sequence[int]]:
+    return {name[len(prefix) :]: shape for name, shape in expected.items() if name.startswith(prefix)}
 
 
 def _text_entries(key: str, value: mx.array) -> list[tuple[str, mx.array]]:

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 
-from models.gemma4_config import Gemma4TextConfig
-from weights.quantize import is_quantized_entry, prepare_quantized
+from weights.quantize import is_quantized_entry
 
 logger = logging.getLogger(__name__)
 
@@ -44,13 +42,17 @@ _SHARED_LAYER_KV = ("self_attn.k_proj.", "self_attn.v_proj.", "self_attn.k_norm.
 
 def map_gemma4_text_weights(
     weights: Mapping[str, mx.array],
-    config: Gemma4TextConfig,
     expected: Mapping[str, Sequence[int]],
+    *,
+    tied: bool,
+    reused_layers: Collection[int] = (),
 ) -> dict[str, mx.array]:
     """Map a checkpoint's ``{key: array}`` onto the graph's parameter names.
 
     ``expected`` is ``{parameter name: shape}`` of the graph that will receive the result (see
     ``parameter_shapes``); it is what makes missing keys and shape mismatches detectable here.
+    ``tied``: the head is the embedding (an ``lm_head`` key is dropped); ``reused_layers``: layers
+    that read an earlier layer's keys and values (their own k/v projections are dropped).
     Arrays keep their dtype. Raises ``ValueError`` on an unexpected, missing or misshapen key.
     """
     prefix = _text_prefix(weights)
@@ -58,9 +60,9 @@ def map_gemma4_text_weights(
     for key, value in weights.items():
         if key.startswith(prefix):
             name = key[len(prefix) :]
-            reason = _dropped_inside(name, config)
+            reason = _dropped_inside(name, reused_layers)
         else:
-            name, reason = _outside_text(key, prefix, config)
+            name, reason = _outside_text(key, prefix, tied)
         if reason:
             logger.debug("gemma4 keys: dropping %s (%s)", key, reason)
             continue
@@ -72,18 +74,6 @@ def map_gemma4_text_weights(
     return mapped
 
 
-def parameter_shapes(model) -> dict[str, tuple[int, ...]]:
-    """``{parameter name: shape}`` of an ``mlx.nn.Module``, the ``expected`` argument of the mapping."""
-    return {name: tuple(array.shape) for name, array in tree_flatten(model.parameters())}
-
-
-def load_gemma4_text_weights(model, weights: Mapping[str, mx.array]) -> None:
-    """Map ``weights`` onto ``model`` (a ``Gemma4TextModel``) and load them strictly."""
-    mapped = map_gemma4_text_weights(weights, model.config, parameter_shapes(model))
-    prepare_quantized(model, mapped, "gemma4 keys")
-    model.load_weights(list(mapped.items()), strict=True)
-
-
 def _text_prefix(weights: Mapping[str, mx.array]) -> str:
     for prefix in TEXT_PREFIXES:
         if any(key.startswith(prefix) for key in weights):
@@ -92,24 +82,24 @@ def _text_prefix(weights: Mapping[str, mx.array]) -> str:
     raise ValueError(f"gemma4 keys: no Gemma 4 text weights found (looked for {TEXT_PREFIXES}); first keys: {sample}")
 
 
-def _dropped_inside(name: str, config: Gemma4TextConfig) -> str | None:
+def _dropped_inside(name: str, reused_layers: Collection[int]) -> str | None:
     """Why a key under the text prefix carries nothing for the graph, or None when it must be loaded."""
     if name.startswith("rotary_emb.") or ".rotary_emb." in name:
         return "rotary buffer, recomputed"
     layer_key = _LAYER_KEY.fullmatch(name)
     if layer_key and layer_key.group(2).startswith(_SHARED_LAYER_KV):
         layer = int(layer_key.group(1))
-        if layer < config.num_hidden_layers and config.kv_sharing_modes[layer] == "reuse":
+        if layer in reused_layers:
             return f"layer {layer} reuses the keys and values of an earlier layer"
     return None
 
 
-def _outside_text(key: str, prefix: str, config: Gemma4TextConfig) -> tuple[str, str | None]:
+def _outside_text(key: str, prefix: str, tied: bool) -> tuple[str, str | None]:
     """A key outside the text prefix: an LM head (its graph name), a multimodal part (dropped), or an error."""
     for head_prefix in LM_HEAD_PREFIXES:
         if key.startswith(head_prefix):
             name = "lm_head." + key[len(head_prefix) :]
-            return name, ("tied to embed_tokens" if config.tie_word_embeddings else None)
+            return name, ("tied to embed_tokens" if tied else None)
     first_part = key.removeprefix("model.").split(".", 1)[0]
     if first_part in MULTIMODAL_PARTS:
         return key, f"{first_part} is not part of the text model"

@@ -1,4 +1,4 @@
-"""Checkpoint loading for ``graphs.gemma4_multimodal.Gemma4MultimodalModel``.
+"""Which checkpoints carry a Gemma 4 vision tower (the multimodal graph loads both mappings).
 
 The text and vision mappings each know their layouts (transformers ``model.language_model.*`` /
 ``model.vision_tower.*`` / ``model.embed_vision.*``, and the MLX converters' ``language_model.model.*``
@@ -13,8 +13,7 @@ from typing import Collection, Mapping
 
 import mlx.core as mx
 
-from .gemma4_keys import load_gemma4_text_weights
-from .gemma4_vision_keys import TOWER_PREFIXES, load_gemma4_vision_weights
+from .gemma4_vision_keys import TOWER_PREFIXES
 
 # Where a Gemma 4 (not DiffusionGemma) checkpoint keeps its vision tower; "" (a bare tower) excluded.
 _GEMMA4_TOWER_PREFIXES = tuple(p for p in TOWER_PREFIXES if p and not p.startswith("model.encoder."))
@@ -23,9 +22,3 @@ _GEMMA4_TOWER_PREFIXES = tuple(p for p in TOWER_PREFIXES if p and not p.startswi
 def has_vision_weights(names: Collection[str]) -> bool:
     """True when the checkpoint carries a Gemma 4 vision tower (mlx-lm conversions drop it)."""
     return any(name.startswith(_GEMMA4_TOWER_PREFIXES) for name in names)
-
-
-def load_gemma4_multimodal_weights(model, weights: Mapping[str, mx.array]) -> None:
-    """Load the text decoder, the vision tower and the embedder of ``model`` strictly from ``weights``."""
-    load_gemma4_text_weights(model.language_model, weights)
-    load_gemma4_vision_weights(model.vision_tower, model.embed_vision, weights)

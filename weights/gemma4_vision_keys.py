@@ -26,9 +26,7 @@ from typing import Mapping, Sequence
 
 import mlx.core as mx
 
-from models.gemma4_vision_config import Gemma4VisionConfig
-from weights.gemma4_keys import parameter_shapes
-from weights.quantize import is_quantized_entry, prepare_quantized
+from weights.quantize import is_quantized_entry
 
 logger = logging.getLogger(__name__)
 
@@ -42,36 +40,25 @@ _CLIP_BOUNDS = (".input_min", ".input_max", ".output_min", ".output_max")
 
 def map_gemma4_vision_weights(
     weights: Mapping[str, mx.array],
-    config: Gemma4VisionConfig,
     tower_expected: Mapping[str, Sequence[int]],
     embedder_expected: Mapping[str, Sequence[int]] | None = None,
+    *,
+    clipped: bool,
 ) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
     """``(tower weights, embedder weights)`` under our parameter names, shape-checked.
 
     ``*_expected`` are ``{parameter name: shape}`` of the receiving modules (``parameter_shapes``).
     Without ``embedder_expected`` only the tower is mapped (a bare ``Gemma4VisionModel``
-    checkpoint has no embedder) and the embedder dict is empty.
+    checkpoint has no embedder) and the embedder dict is empty. ``clipped``: the config's
+    ``use_clipped_linears`` (without it, clip bounds in the checkpoint are dropped).
     """
     tower_prefix = _detect_prefix(weights, TOWER_PREFIXES, _TOWER_MARKER, "vision tower")
-    tower = _map_part(weights, tower_prefix, tower_expected, config, "vision tower")
+    tower = _map_part(weights, tower_prefix, tower_expected, clipped, "vision tower")
     embedder: dict[str, mx.array] = {}
     if embedder_expected is not None:
         embedder_prefix = _detect_prefix(weights, EMBEDDER_PREFIXES, _EMBEDDER_MARKER, "vision embedder")
-        embedder = _map_part(weights, embedder_prefix, embedder_expected, config, "vision embedder")
+        embedder = _map_part(weights, embedder_prefix, embedder_expected, clipped, "vision embedder")
     return tower, embedder
-
-
-def load_gemma4_vision_weights(tower, embedder, weights: Mapping[str, mx.array]) -> None:
-    """Map ``weights`` onto a ``Gemma4VisionTower`` and (unless None) a ``Gemma4MultimodalEmbedder``, strictly."""
-    embedder_expected = None if embedder is None else parameter_shapes(embedder)
-    tower_weights, embedder_weights = map_gemma4_vision_weights(
-        weights, tower.config, parameter_shapes(tower), embedder_expected
-    )
-    prepare_quantized(tower, tower_weights, "gemma4 vision keys")
-    tower.load_weights(list(tower_weights.items()), strict=True)
-    if embedder is not None:
-        prepare_quantized(embedder, embedder_weights, "gemma4 vision keys")
-        embedder.load_weights(list(embedder_weights.items()), strict=True)
 
 
 def _detect_prefix(weights: Mapping[str, mx.array], prefixes: Sequence[str], marker: str, part: str) -> str:
@@ -87,7 +74,7 @@ def _map_part(
     weights: Mapping[str, mx.array],
     prefix: str,
     expected: Mapping[str, Sequence[int]],
-    config: Gemma4VisionConfig,
+    clipped: bool,
     part: str,
 ) -> dict[str, mx.array]:
     mapped: dict[str, mx.array] = {}
@@ -95,7 +82,7 @@ def _map_part(
         if not key.startswith(prefix):
             continue
         name = key[len(prefix) :]
-        if _dropped(key, name, value, config):
+        if _dropped(key, name, value, clipped):
             continue
         if is_quantized_entry(name, value, expected):  # packed weight, scales or biases
             mapped[name] = value
@@ -117,12 +104,12 @@ def _map_part(
     return mapped
 
 
-def _dropped(key: str, name: str, value: mx.array, config: Gemma4VisionConfig) -> bool:
+def _dropped(key: str, name: str, value: mx.array, clipped: bool) -> bool:
     """True for keys that carry nothing the graph uses (each logged)."""
     if name.startswith("rotary_emb.") or ".rotary_emb." in name:
         logger.debug("gemma4 vision keys: dropping %s (rotary buffer, recomputed)", key)
         return True
-    if name.endswith(_CLIP_BOUNDS) and not config.use_clipped_linears:
+    if name.endswith(_CLIP_BOUNDS) and not clipped:
         if bool(mx.isfinite(value).any()):
             logger.warning("gemma4 vision keys: ignoring finite clip bound %s, as use_clipped_linears is off", key)
         else:

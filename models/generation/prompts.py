@@ -18,6 +18,8 @@ from typing import Sequence
 
 import mlx.core as mx
 
+from graphs.gemma4_multimodal_config import ImageTokenIds
+
 
 @dataclass(frozen=True)
 class ImageSpan:
@@ -56,15 +58,6 @@ class Prompt:
             if span.start < start < span.end:
                 raise ValueError(f"cannot cut the prompt at {start}: it falls inside the image at [{span.start}, {span.end})")
         return Prompt(self.ids[start:], tuple(s.shifted(-start) for s in self.images if s.start >= start))
-
-
-@dataclass(frozen=True)
-class ImageTokenIds:
-    """The three ids that frame and fill an image in the prompt."""
-
-    image: int  # the placeholder before expansion, and every soft-token position after it
-    boi: int
-    eoi: int
 
 
 def expand_image_placeholders(ids: Sequence[int], features: Sequence[mx.array], tokens: ImageTokenIds) -> Prompt:

@@ -8,7 +8,7 @@ and rebuilt from a fresh prefill otherwise. Either way the next turn sees exactl
 prefill of the whole conversation would give.
 
 Images: a user turn may carry images. The template writes one placeholder per image, which is
-expanded to the image's soft tokens (``models.image_prompt``); every image's features are kept
+expanded to the image's soft tokens (``models.generation.prompts``); every image's features are kept
 for the whole conversation, so a rebuilt cache can be prefilled again without the vision tower.
 All soft tokens share one id, so two renderings are compared image by image as well as token by
 token, and the cache is never cut inside an image: its keys depend on the whole image.
@@ -23,9 +23,9 @@ import mlx.core as mx
 
 from cache import owning_caches, trim_cache
 
-from .generate import DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions
-from .image_prompt import ImageSpan, Prompt, expand_image_placeholders
-from .model import Model
+from models.generation.generate import DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions
+from models.generation.prompts import ImageSpan, Prompt, expand_image_placeholders
+from models.model import Model
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -9,9 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .gemma4_config import Gemma4TextConfig
-from .gemma4_vision_config import Gemma4VisionConfig
-from .image_prompt import ImageTokenIds
+from graphs.gemma4_text_config import Gemma4TextConfig
+from graphs.gemma4_vision_config import Gemma4VisionConfig
+
+@dataclass(frozen=True)
+class ImageTokenIds:
+    """The three ids that frame and fill an image in the prompt."""
+
+    image: int  # the placeholder before expansion, and every soft-token position after it
+    boi: int
+    eoi: int
+
 
 # transformers 5.24's Gemma4Config / Gemma4TextConfig defaults (the released tokenizer's ids).
 _DEFAULT_IDS = {"image_token_id": 258_880, "boi_token_id": 255_999, "eoi_token_id": 258_882}

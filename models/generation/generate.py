@@ -1,7 +1,7 @@
 """The autoregressive loop: chunked prefill through ``window`` reads, decode through ``decode`` reads.
 
 A prompt with images is prefilled in chunks that never cut through an image
-(``models.image_prompt.prefill_chunks``); a chunk holding images passes their features to the
+(``models.generation.prompts.prefill_chunks``); a chunk holding images passes their features to the
 model, which reads it through ``vision_prefill``.
 
 Sampling (temperature, top-p, top-k, min-p) is mlx-lm's ``make_sampler`` and streaming
@@ -21,7 +21,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from cache import cpu_math, quantize_caches, trim_cache
 
-from .image_prompt import ImageSpan, prefill_chunks
+from models.generation.prompts import ImageSpan, prefill_chunks
 
 DEFAULT_PREFILL_STEP = 512
 

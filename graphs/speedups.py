@@ -1,0 +1,134 @@
+"""CPU speed-up parts the graphs are built with; ``models.precision``'s plan switches them on.
+
+Each part computes exactly what the plain layer computes (same ops, same numbers up to summation
+order) and only changes where or how the work runs:
+
+- ``norm_rope``: the per-head RMSNorm + RoPE of a single decode position through one compiled
+  function (``mx.compile`` fuses a dozen small element-wise ops that the CPU would otherwise
+  schedule one by one). ``GEMMA_ZOO_COMPILE=0`` calls the modules as they are.
+- ``VocabularyHead``: the output head ``h @ W.T`` (``lm_head`` or the tied ``embed_tokens``); after
+  ``split_head`` its weight is stored as a view of the contiguous transpose and a few-row product
+  runs as row blocks on separate CPU streams, one core each, summed.
+- ``GeGLUMLP.use_streams`` (``graphs.layers``): the gate and up products of a few rows on two streams.
+
+Products of more than ``FEW_ROWS`` rows (prefill) are GEMMs the BLAS threads itself: unsplit.
+``docs/speed.md`` has the measurements behind each part.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+import zoo_switches
+from cache import cpu_math
+
+FEW_ROWS = 8  # products with more rows than this are left to the BLAS's own threads
+
+_streams: list = []
+
+
+def cpu_streams(n: int) -> list:
+    """``n`` CPU streams: the default one and ``n - 1`` more, made once per process."""
+    while len(_streams) < n - 1:
+        _streams.append(mx.new_stream(mx.cpu))
+    return [mx.default_stream(mx.cpu), *_streams[: n - 1]]
+
+
+def few_rows(x: mx.array) -> bool:
+    return x.size // x.shape[-1] <= FEW_ROWS
+
+
+# ---------------------------------------------------------------------------------------- q/k norm + RoPE
+def _norm(x: mx.array, weight: mx.array | None, eps: float, plus_one: bool) -> mx.array:
+    """Gemma's RMSNorm exactly as the graphs compute it: in float32, rounded once to ``x``'s dtype."""
+    if weight is not None:
+        weight = weight.astype(mx.float32)
+        if plus_one:
+            weight = 1.0 + weight
+    return mx.fast.rms_norm(x.astype(mx.float32), weight, eps).astype(x.dtype)
+
+
+def _norm_rope(x, weight, offset, freqs, eps, plus_one, dims, base):
+    y = _norm(x, weight, eps, plus_one)
+    return mx.fast.rope(y, dims, traditional=False, base=base, scale=1.0, offset=offset, freqs=freqs)
+
+
+def _norm_rotate(x, weight, cos, sin, eps, plus_one):
+    return cpu_math.rotate_half(_norm(x, weight, eps, plus_one), cos, sin)
+
+
+_compiled = mx.compile(_norm_rope)
+_compiled_cpu = mx.compile(_norm_rotate)
+
+
+def norm_rope(x: mx.array, norm, rope, offset: int, plus_one: bool) -> mx.array:
+    """``rope(norm(x), offset)`` for ``x [B, heads, L, D]``; compiled for single positions.
+
+    ``norm`` is a Gemma RMSNorm module (``weight`` and ``eps``; Gemma 2/3 scale by ``1 + weight``:
+    ``plus_one``), ``rope`` a ``graphs.layers.RoPE``. The weights are arguments, not captured
+    constants, so replacing them after a first call stays correct.
+    """
+    if x.shape[-2] != 1 or not zoo_switches.enabled("GEMMA_ZOO_COMPILE"):
+        return rope(norm(x), offset)
+    weight = norm.get("weight") if hasattr(norm, "get") else None
+    if cpu_math.active():
+        return _compiled_cpu(x, weight, *rope.tables(offset, 1), norm.eps, plus_one)
+    return _compiled(x, weight, mx.array(offset, dtype=mx.int32), rope.periods, norm.eps, plus_one, rope.head_dim, rope.base)
+
+
+# ---------------------------------------------------------------------------------------- the output head
+class HeadBlocks:
+    """Row blocks of the head's transposed ``[H, V]`` storage (evaluated views, no copy), and the
+    ``[V, H]`` weight they were cut from (a replaced weight makes them stale: then unused)."""
+
+    def __init__(self, weight: mx.array, transposed: mx.array, parts: int):
+        H = transposed.shape[0]
+        bounds = [round(i * H / parts) for i in range(parts + 1)]
+        self.weight = weight
+        self.blocks = [(a, b, transposed[a:b]) for a, b in zip(bounds, bounds[1:])]
+        mx.eval([w for _, _, w in self.blocks])
+
+
+class VocabularyHead:
+    """Mixin for graphs whose logits are ``h @ W.T``, ``W`` the ``lm_head`` or the tied ``embed_tokens``."""
+
+    head_blocks: HeadBlocks | None = None
+
+    def head_module(self) -> nn.Module:
+        return self["lm_head"] if "lm_head" in self else self["embed_tokens"]
+
+    def split_head(self, parts: int) -> str | None:
+        """Store the head's ``[V, H]`` weight as a view of its contiguous ``[H, V]`` transpose and
+        cut it into ``parts`` row blocks for ``head_product``; what was done, or None when the head
+        is quantized or not float32 (left as it is)."""
+        module = self.head_module()
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "weight" not in module:
+            return None
+        weight = module.weight
+        if weight.dtype != mx.float32 or weight.ndim != 2:
+            return None
+        transposed = mx.contiguous(weight.T)
+        mx.eval(transposed)
+        module.weight = transposed.T  # the same values, a strided view: lookups and saving are unchanged
+        self.head_blocks = HeadBlocks(module.weight, transposed, parts) if parts > 1 else None
+        name = "lm_head" if "lm_head" in self else "tied embed_tokens"
+        where = f", split across {parts} CPU streams" if parts > 1 else ""
+        return f"output head ({name}, {weight.shape[0]}x{weight.shape[1]}) stored transposed{where}"
+
+    def head_product(self, h: mx.array) -> mx.array:
+        """``h @ W.T`` (plus the head's bias), in row blocks on CPU streams when split and ``h`` is a few rows."""
+        module = self.head_module()
+        blocks = self.head_blocks
+        if blocks is None or not few_rows(h) or module.get("weight") is not blocks.weight:
+            return module(h) if "lm_head" in self else module.as_linear(h)
+        parts = []
+        for stream, (a, b, w) in zip(cpu_streams(len(blocks.blocks)), blocks.blocks):
+            with mx.stream(stream):
+                parts.append(h[..., a:b] @ w)
+        out = parts[0]
+        for p in parts[1:]:
+            out = out + p
+        if "bias" in module:
+            out = out + module.bias
+        return out

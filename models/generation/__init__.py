@@ -1,0 +1,1 @@
+"""The generation loops (autoregressive, block diffusion), their options, prompts with media, and chat."""

@@ -1,0 +1,1 @@
+"""Turning user inputs into what the graphs read: images (and, as they land, audio and video)."""
