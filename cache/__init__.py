@@ -4,7 +4,7 @@
 ``QuantizedKVCache`` and ``RotatingQuantizedKVCache`` are the same on quantized storage. Each offers
 the per-graph reads (``decode``, ``window``, ``vision_prefill``, ``encoder``, ``canvas``, and
 ``bidirectional`` for encoder-only configs), ``shared_view()`` for KV-shared layers, trims, and
-``state`` / ``from_state``. ``check_caches`` checks a model's cache list against the
+``state`` / ``from_state``. ``Read`` names the read a forward makes; ``check_caches`` checks a model's cache list against the
 ``CacheSpec`` of each layer.
 """
 
@@ -13,6 +13,7 @@ import zoo_blas  # noqa: F401  (first: loads a fast BLAS before anything imports
 from .base import AttentionCache, SharedView
 from .full import KVCache, QuantizedKVCache
 from .quantize import quantize_caches
+from .reads import Read
 from .rotating import RotatingKVCache, RotatingQuantizedKVCache
 from .spec import CacheSpec, check_caches
 
@@ -57,6 +58,7 @@ __all__ = [
     "RotatingQuantizedKVCache",
     "SharedView",
     "CacheSpec",
+    "Read",
     "check_caches",
     "KINDS",
     "cache_from_state",

@@ -2,12 +2,12 @@
 
 One stack of Gemma 4 layers serves two passes that share every weight but their ``layer_scalar``:
 
-- the **encoder** (``encode``) is a causal Gemma 4 pass whose only product is the KV cache: the
+- the **encoder** (``prefill``) is a causal Gemma 4 pass whose only product is the KV cache: the
   prompt, then each committed block, go through the cache's ``encoder`` read (full layers
   ``causal OR same image``, sliding layers ``(causal AND window) OR same image``). Its hidden
   states and logits are never used, so none are computed past the last cache write (MLX evaluates
   only what the caches need).
-- the **decoder** (``decode``) denoises a canvas of ``canvas_length`` tokens through the cache's
+- the **decoder** (``denoise``) denoises a canvas of ``canvas_length`` tokens through the cache's
   ``canvas`` read, which writes nothing and lets the canvas see the cached prefix (sliding layers:
   the newest ``window - 1`` positions) and itself bidirectionally. Its input is
   ``rms(E[canvas] * sqrt(H) + SC)``, always unit-RMS, where ``SC`` is the self-conditioning MLP
@@ -31,16 +31,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from cache import KVCache, RotatingKVCache, cpu_math
+from cache import KVCache, Read, RotatingKVCache, cpu_math
 from graphs.diffusion_gemma_config import DiffusionGemmaConfig
 from graphs.gemma4_text_config import SLIDING
 
 from .gemma4_text import DecoderLayer
-from .gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower, encode_images
-from .layers import RMSNorm, RoPE, float_dtype, gelu_gated, softcap
+from .gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower, encode_images, image_blocks, place_image_features
+from .layers import CheckedCaches, RMSNorm, RoPE, float_dtype, gelu_gated, softcap
 from .speedups import VocabularyHead
-
-ENCODER_READ, CANVAS_READ = "encoder", "canvas"
 
 
 class DiffusionLayer(DecoderLayer):
@@ -48,24 +46,15 @@ class DiffusionLayer(DecoderLayer):
 
     The reference ties every encoder parameter to the decoder's but not the ``layer_scalar``
     buffers, so the pass picks its scalar: ``encoder_layer_scalar`` for ``encoder`` reads,
-    ``layer_scalar`` (the decoder's) for ``canvas`` reads. The body is Gemma 4's
-    ``DecoderLayer.__call__`` without per-layer inputs, repeated here because that one applies
-    ``layer_scalar`` itself.
+    ``layer_scalar`` (the decoder's) for ``canvas`` reads.
     """
 
     def __init__(self, config, geometry, rope: RoPE):
         super().__init__(config, geometry, rope)
         self.encoder_layer_scalar = mx.ones((1,))
 
-    def __call__(self, x: mx.array, cache, offset: int, read: str, read_args: dict) -> mx.array:
-        attended = self.self_attn(self.input_layernorm(x), cache, offset, read, read_args)
-        h = x + self.post_attention_layernorm(attended)
-        dense = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(h)))
-        # The router and the experts read the post-attention residual, not the dense MLP's input.
-        weights, indices = self.router(h)
-        routed = self.post_feedforward_layernorm_2(self.experts(self.pre_feedforward_layernorm_2(h), indices, weights))
-        h = h + self.post_feedforward_layernorm(dense + routed)
-        return h * (self.encoder_layer_scalar if read == ENCODER_READ else self.layer_scalar)
+    def scalar(self, read: Read) -> mx.array:
+        return self.encoder_layer_scalar if read.name == "encoder" else self.layer_scalar
 
 
 class SelfConditioning(nn.Module):
@@ -90,7 +79,7 @@ class SelfConditioning(nn.Module):
         return self.post_norm(embedded + signal)
 
 
-class DiffusionGemmaModel(VocabularyHead, nn.Module):
+class DiffusionGemmaModel(VocabularyHead, CheckedCaches, nn.Module):
     """The encoder/decoder stack, the self-conditioning block and (when configured) the vision tower."""
 
     def __init__(self, config: DiffusionGemmaConfig):
@@ -120,7 +109,7 @@ class DiffusionGemmaModel(VocabularyHead, nn.Module):
             raise ValueError("DiffusionGemma: this checkpoint has no vision tower (no vision_config); images are not supported")
         return encode_images(self.vision_tower, self.embed_vision, images)
 
-    def encode(self, input_ids: mx.array, cache: list, image_features: Sequence[mx.array] | None = None) -> None:
+    def prefill(self, input_ids: mx.array, cache: list, image_features: Sequence[mx.array] | None = None) -> None:
         """Append ``input_ids [B, L]`` to ``cache`` through every layer's ``encoder`` read.
 
         ``image_features`` (one ``[n_i, H]`` per image, in row-major order of appearance) replace
@@ -130,32 +119,33 @@ class DiffusionGemmaModel(VocabularyHead, nn.Module):
         token is just a token). The caller must not split an image across two calls (the cache
         raises if it does).
         """
-        self._check_cache(cache)
+        self.check_cache(cache)
         h = self.embed(input_ids)
-        overlay_id = None
+        is_image = np.zeros(input_ids.shape, dtype=bool)
         if image_features:
-            h = self._place_images(input_ids, h, image_features)
-            overlay_id = self.config.image_token_id if self.config.vision_overlay else None
-        blocks = image_blocks(np.array(input_ids), overlay_id)
+            is_image = np.array(input_ids) == self.config.image_token_id
+            h = place_image_features(h, is_image, mx.concatenate(list(image_features)), "DiffusionGemma")
+        read = Read.encoder(mx.array(image_blocks(is_image if self.config.vision_overlay else np.zeros_like(is_image))))
         offset = cache[0].offset
         for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, layer_cache, offset, ENCODER_READ, {"blocks": mx.array(blocks)})
+            h = layer(h, None, layer_cache, offset, read)
 
     # ------------------------------------------------------------------------------ decoder
-    def decode(self, canvas: mx.array, cache: list, self_conditioning: mx.array | None = None) -> mx.array:
+    def denoise(self, canvas: mx.array, cache: list, self_conditioning: mx.array | None = None) -> mx.array:
         """Float32 softcapped logits ``[B, C, V]`` for ``canvas [B, C]`` over the cached prefix.
 
         ``self_conditioning`` is the previous step's processed logits ``[B, C, V]`` (None at a
         block's first step). The canvas sits at positions ``offset .. offset + C - 1``, right after
         the cached prefix; nothing is written to the cache.
         """
-        self._check_cache(cache)
+        self.check_cache(cache)
         h = self.embed(canvas)
         soft = None if self_conditioning is None else self.soft_embeddings(self_conditioning)
         h = self.self_conditioning(h, soft)
         offset = cache[0].offset
+        read = Read.canvas()
         for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, layer_cache, offset, CANVAS_READ, {})
+            h = layer(h, None, layer_cache, offset, read)
         return self.logits(self.norm(h))
 
     def soft_embeddings(self, logits: mx.array) -> mx.array:
@@ -187,33 +177,3 @@ class DiffusionGemmaModel(VocabularyHead, nn.Module):
     # ------------------------------------------------------------------------------ internals
     def _embed_scale(self) -> mx.array:
         return mx.array(math.sqrt(self.config.text.hidden_size), dtype=float_dtype(self.embed_tokens))
-
-    def _place_images(self, input_ids: mx.array, h: mx.array, features: Sequence[mx.array]) -> mx.array:
-        B, L, H = h.shape
-        positions = np.flatnonzero(np.array(input_ids).reshape(-1) == self.config.image_token_id)
-        rows = sum(f.shape[0] for f in features)
-        if rows != positions.size:
-            raise ValueError(
-                f"DiffusionGemma: the prompt has {positions.size} image tokens but the images give {rows} features "
-                f"({[f.shape[0] for f in features]} per image)"
-            )
-        flat = h.reshape(B * L, H)
-        flat[mx.array(positions)] = mx.concatenate(list(features)).astype(h.dtype)
-        return flat.reshape(B, L, H)
-
-    def _check_cache(self, cache: list) -> None:
-        if len(cache) != len(self.layers):
-            raise ValueError(f"DiffusionGemma: cache has {len(cache)} entries for {len(self.layers)} layers")
-
-
-def image_blocks(input_ids: np.ndarray, image_token_id: int | None) -> np.ndarray:
-    """``[B, L]`` int32: for image tokens, the index of their maximal run in the row (0, 1, ...); -1 elsewhere.
-
-    transformers' ``get_block_sequence_ids_for_mask``; with ``image_token_id=None`` (no vision
-    overlay) every position is text.
-    """
-    if image_token_id is None:
-        return np.full(input_ids.shape, -1, dtype=np.int32)
-    is_image = input_ids == image_token_id
-    starts = is_image & ~np.pad(is_image, ((0, 0), (1, 0)))[:, :-1]
-    return np.where(is_image, np.cumsum(starts, axis=1) - 1, -1).astype(np.int32)

@@ -15,11 +15,11 @@ from typing import Any, Mapping
 import mlx.core as mx
 import mlx.nn as nn
 
-from cache import KVCache, RotatingKVCache
+from cache import KVCache, Read, RotatingKVCache
 from graphs.gemma3_text_config import SLIDING, Gemma3TextConfig
 
-from .layers import GeGLUMLP, RoPE, float_dtype, softcap
-from .speedups import VocabularyHead, norm_rope
+from .layers import CheckedCaches, GeGLUMLP, RoPE, SelfAttention, float_dtype, softcap
+from .speedups import VocabularyHead
 
 
 
@@ -57,55 +57,28 @@ def shared_rope(head_dim: int, params: Mapping[str, Any]) -> RoPE:
     return RoPE(head_dim, params)
 
 
-class Attention(nn.Module):
-    """Self-attention of one layer; the read on ``cache`` does the attending (and the writing)."""
-
-    def __init__(self, config: Gemma3TextConfig, rope: RoPE):
-        super().__init__()
-        H, D = config.hidden_size, config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = D
-        self.scale = config.attention_scale
-        self.rope = rope
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(H, self.num_heads * D, bias=bias)
-        self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
-        self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
-        self.q_norm = GemmaRMSNorm(D, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(D, config.rms_norm_eps)
-
-    def __call__(self, x: mx.array, cache, offset: int) -> mx.array:
-        B, L, _ = x.shape
-        heads = lambda t, n: t.reshape(B, L, n, self.head_dim).transpose(0, 2, 1, 3)  # noqa: E731
-        q = norm_rope(heads(self.q_proj(x), self.num_heads), self.q_norm, self.rope, offset, plus_one=True)
-        k = norm_rope(heads(self.k_proj(x), self.num_kv_heads), self.k_norm, self.rope, offset, plus_one=True)
-        v = heads(self.v_proj(x), self.num_kv_heads)
-        read = cache.decode if L == 1 else cache.window
-        out = read(q, k, v, scale=self.scale)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-
 class DecoderLayer(nn.Module):
     """Sandwich-normed attention and GeGLU feed-forward, each added to the residual stream."""
 
     def __init__(self, config: Gemma3TextConfig, rope: RoPE):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Attention(config, rope)
+        self.self_attn = SelfAttention(
+            H, config.num_attention_heads, config.num_key_value_heads, config.head_dim, bias=config.attention_bias,
+            rope=rope, scale=config.attention_scale, norm=lambda d: GemmaRMSNorm(d, eps), plus_one=True,
+        )  # fmt: skip
         self.mlp = GeGLUMLP(H, config.intermediate_size)
         self.input_layernorm = GemmaRMSNorm(H, eps)
         self.post_attention_layernorm = GemmaRMSNorm(H, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(H, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(H, eps)
 
-    def __call__(self, x: mx.array, cache, offset: int) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache, offset))
+    def __call__(self, x: mx.array, cache, offset: int, read: Read) -> mx.array:
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache, offset, read))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
-class Gemma3TextModel(VocabularyHead, nn.Module):
+class Gemma3TextModel(VocabularyHead, CheckedCaches, nn.Module):
     """Gemma 3 text model with its tied (or separate) LM head: ``input_ids [B, L] -> logits [B, L, V]``.
 
     Parameter names are transformers' ``Gemma3TextModel`` names (no ``model.`` prefix); ``lm_head``
@@ -140,12 +113,12 @@ class Gemma3TextModel(VocabularyHead, nn.Module):
         With one, the ids are appended: a ``window`` read for L > 1, a ``decode`` read for L == 1.
         """
         cache = self.make_cache() if cache is None else cache
-        if len(cache) != len(self.layers):
-            raise ValueError(f"Gemma3TextModel: cache has {len(cache)} entries for {len(self.layers)} layers")
+        self.check_cache(cache)
         offset = cache[0].offset  # read before any layer writes
+        read = Read.decode() if input_ids.shape[1] == 1 else Read.window()
         h = self.embed(input_ids)
         for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, layer_cache, offset)
+            h = layer(h, layer_cache, offset, read)
         h = self.norm(h[:, -1:] if last_only else h)
         return self.logits(h)
 

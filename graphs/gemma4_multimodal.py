@@ -1,8 +1,7 @@
 """Gemma 4 with images (transformers 5.24 ``Gemma4ForConditionalGeneration``) as an MLX graph.
 
 The vision tower and embedder turn each image into soft-token features; the text decoder reads a
-prompt whose image positions hold those features (``shared/reference/gemma4-and-diffusiongemma.md``
-§4.6-4.7b):
+prompt whose image positions hold those features, as transformers' ``modeling_gemma4.py`` does:
 
 * image positions are embedded as ``pad_token_id`` and then overwritten by the features in
   sequence order (transformers' ``masked_scatter``);
@@ -29,7 +28,9 @@ import numpy as np
 from graphs.gemma4_multimodal_config import Gemma4MultimodalConfig
 
 from .gemma4_text import Gemma4TextModel
-from .gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower, encode_images
+from cache import Read
+
+from .gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower, encode_images, image_blocks, place_image_features
 
 
 class ImageTokens(NamedTuple):
@@ -37,7 +38,7 @@ class ImageTokens(NamedTuple):
     where the images are, and their features in sequence order."""
 
     ids: mx.array  # [B, L]
-    is_image: mx.array  # [B, L] bool
+    is_image: np.ndarray  # [B, L] bool
     features: mx.array  # [number of image positions, text hidden]
 
 
@@ -56,13 +57,7 @@ class Gemma4LanguageModel(Gemma4TextModel):
     def embed(self, tokens) -> mx.array:
         if not isinstance(tokens, ImageTokens):
             return super().embed(self._text_ids(tokens))
-        text = super().embed(tokens.ids)
-        # masked_scatter: the k-th image position takes the k-th feature row.
-        B, L, H = text.shape
-        flat = tokens.is_image.reshape(-1)
-        rows = mx.maximum(mx.cumsum(flat.astype(mx.int32)) - 1, 0)
-        scattered = tokens.features.astype(text.dtype)[rows].reshape(B, L, H)
-        return mx.where(tokens.is_image[..., None], scattered, text)
+        return place_image_features(super().embed(tokens.ids), tokens.is_image, tokens.features, "Gemma4MultimodalModel")
 
     def per_layer_inputs(self, tokens, embedded: mx.array) -> mx.array:
         ids = tokens.ids if isinstance(tokens, ImageTokens) else self._text_ids(tokens)
@@ -108,31 +103,17 @@ class Gemma4MultimodalModel(nn.Module):
             return self.language_model(input_ids, cache=cache, last_only=last_only)
         ids = np.array(input_ids)
         is_image = ids == self.config.image_tokens.image
-        if int(is_image.sum()) != image_features.shape[0]:
-            raise ValueError(
-                f"image features and image tokens do not match: the prompt has {int(is_image.sum())} image "
-                f"tokens, the images give {image_features.shape[0]} soft tokens"
-            )
-        tokens = ImageTokens(mx.array(np.where(is_image, self.config.pad_token_id, ids)), mx.array(is_image), image_features)
+        tokens = ImageTokens(mx.array(np.where(is_image, self.config.pad_token_id, ids)), is_image, image_features)
         cache = self.make_cache() if cache is None else cache
-        read, read_args = self._prefill_read(is_image, cache)
-        return self.language_model.forward(tokens, cache, read, read_args, last_only=last_only)
+        return self.language_model.forward(tokens, cache, self._prefill_read(is_image, cache), last_only=last_only)
 
-    def _prefill_read(self, is_image: np.ndarray, cache: list) -> tuple[str, dict]:
+    def _prefill_read(self, is_image: np.ndarray, cache: list) -> Read:
         mode = self.config.text.use_bidirectional_attention
         if mode == "all":
             if cache[0].offset:
                 raise ValueError("Gemma 4 use_bidirectional_attention='all' encodes a whole sequence at once; "
                                  "it has no incremental (cached) prefill")
-            return "bidirectional", {}
+            return Read.bidirectional()
         if mode == "vision":
-            return "vision_prefill", {"blocks": mx.array(image_blocks(is_image))}
-        return "window", {}
-
-
-def image_blocks(is_image: np.ndarray) -> np.ndarray:
-    """``[B, L]`` block ids: the index of each maximal run of image tokens in its row, -1 for text
-    (the reference's ``get_block_sequence_ids_for_mask``; boi/eoi are text, so one image is one run)."""
-    previous = np.concatenate([np.zeros_like(is_image[:, :1]), is_image[:, :-1]], axis=1)
-    starts = is_image & ~previous
-    return np.where(is_image, np.cumsum(starts, axis=1) - 1, -1).astype(np.int32)
+            return Read.vision_prefill(mx.array(image_blocks(is_image)))
+        return Read.window()

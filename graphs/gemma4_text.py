@@ -14,56 +14,14 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from cache import KVCache, RotatingKVCache
+from cache import KVCache, Read, RotatingKVCache
 from graphs.gemma4_text_config import SLIDING, Gemma4TextConfig, LayerGeometry
 
-from .layers import Experts, GeGLUMLP, RMSNorm, RoPE, Router, gelu_gated, scaled, softcap
-from .speedups import VocabularyHead, norm_rope
+from .layers import CheckedCaches, Experts, GeGLUMLP, RMSNorm, RoPE, Router, SelfAttention, gelu_gated, scaled, softcap
+from .speedups import VocabularyHead
 
 # q_norm and k_norm take the place of 1/sqrt(head_dim).
 ATTENTION_SCALE = 1.0
-
-
-class Attention(nn.Module):
-    """Self-attention of one layer; the read on ``cache`` does the attending (and the writing)."""
-
-    def __init__(self, config: Gemma4TextConfig, geometry: LayerGeometry, rope: RoPE):
-        super().__init__()
-        H, D = config.hidden_size, geometry.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = geometry.num_key_value_heads
-        self.head_dim = D
-        self.reuses_kv = geometry.reuses_kv
-        self.rope = rope
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(H, self.num_heads * D, bias=bias)
-        self.q_norm = RMSNorm(D, config.rms_norm_eps)
-        if not self.reuses_kv:
-            self.k_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
-            if geometry.has_v_proj:
-                self.v_proj = nn.Linear(H, self.num_kv_heads * D, bias=bias)
-            self.k_norm = RMSNorm(D, config.rms_norm_eps)
-            self.v_norm = RMSNorm(D, config.rms_norm_eps, with_weight=False)
-        self.o_proj = nn.Linear(self.num_heads * D, H, bias=bias)
-
-    def __call__(self, x: mx.array, cache, offset: int, read: str, read_args: dict) -> mx.array:
-        B, L, _ = x.shape
-        q = norm_rope(self._heads(self.q_proj(x), self.num_heads), self.q_norm, self.rope, offset, plus_one=False)
-        if self.reuses_kv:
-            out = getattr(cache, read)(q, scale=ATTENTION_SCALE, **read_args)
-        else:
-            raw_k = self.k_proj(x)
-            # attention_k_eq_v: values are the raw k_proj output (before k_norm and RoPE).
-            raw_v = self.v_proj(x) if "v_proj" in self else raw_k
-            k = norm_rope(self._heads(raw_k, self.num_kv_heads), self.k_norm, self.rope, offset, plus_one=False)
-            v = self.v_norm(self._heads(raw_v, self.num_kv_heads))
-            out = getattr(cache, read)(q, k, v, scale=ATTENTION_SCALE, **read_args)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
-
-    def _heads(self, projected: mx.array, num_heads: int) -> mx.array:
-        """``[B, L, heads * D] -> [B, heads, L, D]``."""
-        B, L, _ = projected.shape
-        return projected.reshape(B, L, num_heads, self.head_dim).transpose(0, 2, 1, 3)
 
 
 class DecoderLayer(nn.Module):
@@ -72,7 +30,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: Gemma4TextConfig, geometry: LayerGeometry, rope: RoPE):
         super().__init__()
         H, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = Attention(config, geometry, rope)
+        self.self_attn = SelfAttention(
+            H, config.num_attention_heads, geometry.num_key_value_heads, geometry.head_dim, bias=config.attention_bias,
+            rope=rope, scale=ATTENTION_SCALE, norm=lambda d: RMSNorm(d, eps), plus_one=False, owns_kv=not geometry.reuses_kv,
+            has_v_proj=geometry.has_v_proj, v_norm=lambda d: RMSNorm(d, eps, with_weight=False),
+        )  # fmt: skip
         self.mlp = GeGLUMLP(H, geometry.intermediate_size)
         self.input_layernorm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)
@@ -93,8 +55,8 @@ class DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = RMSNorm(H, eps)
         self.layer_scalar = mx.ones((1,))
 
-    def __call__(self, x, per_layer_input, cache, offset: int, read: str, read_args: dict) -> mx.array:
-        attended = self.self_attn(self.input_layernorm(x), cache, offset, read, read_args)
+    def __call__(self, x, per_layer_input, cache, offset: int, read: Read) -> mx.array:
+        attended = self.self_attn(self.input_layernorm(x), cache, offset, read)
         h = x + self.post_attention_layernorm(attended)
         ff = self.mlp(self.pre_feedforward_layernorm(h))
         if self.has_moe:
@@ -106,7 +68,11 @@ class DecoderLayer(nn.Module):
         if self.has_per_layer_input:
             gated = gelu_gated(per_layer_input, self.per_layer_input_gate(h))
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
-        return h * self.layer_scalar
+        return h * self.scalar(read)
+
+    def scalar(self, read: Read) -> mx.array:
+        """The output scale of this layer (``layer_scalar``) for ``read``."""
+        return self.layer_scalar
 
 
 def _compute_dtype(module: nn.Module) -> mx.Dtype:
@@ -114,7 +80,7 @@ def _compute_dtype(module: nn.Module) -> mx.Dtype:
     return module["scales"].dtype if "scales" in module else module.weight.dtype
 
 
-class Gemma4TextModel(VocabularyHead, nn.Module):
+class Gemma4TextModel(VocabularyHead, CheckedCaches, nn.Module):
     """Gemma 4 text model with its tied (or separate) LM head: ``input_ids [B, L] -> logits [B, L, V]``.
 
     Parameter names are transformers' ``Gemma4TextModel`` names (no ``model.`` prefix), experts as
@@ -164,19 +130,15 @@ class Gemma4TextModel(VocabularyHead, nn.Module):
             if cache is not None and cache[0].offset:
                 raise ValueError("Gemma 4 use_bidirectional_attention='all' encodes a whole sequence at once; "
                                  "it has no incremental (cached) generation")
-            return self.forward(input_ids, cache or self.make_cache(), "bidirectional", last_only=last_only)
+            return self.forward(input_ids, cache or self.make_cache(), Read.bidirectional(), last_only=last_only)
         if cache is None:
-            return self.forward(input_ids, self.make_cache(), "window", last_only=last_only)
-        read = "decode" if input_ids.shape[1] == 1 else "window"
+            return self.forward(input_ids, self.make_cache(), Read.window(), last_only=last_only)
+        read = Read.decode() if input_ids.shape[1] == 1 else Read.window()
         return self.forward(input_ids, cache, read, last_only=last_only)
 
-    def forward(
-        self, input_ids: mx.array, cache: list, read: str, read_args: dict | None = None, last_only: bool = False
-    ) -> mx.array:
-        """Run every layer with the given read (``window``, ``decode``, ``vision_prefill``, ``encoder``,
-        ``bidirectional``) on its cache."""
-        if len(cache) != len(self.layers):
-            raise ValueError(f"Gemma4TextModel: cache has {len(cache)} entries for {len(self.layers)} layers")
+    def forward(self, input_ids: mx.array, cache: list, read: Read, last_only: bool = False) -> mx.array:
+        """Run every layer with ``read`` on its cache (a list made by ``make_cache``, checked)."""
+        self.check_cache(cache)
         offset = cache[0].offset  # layer 0 always owns storage; read before any layer writes
         h = self.embed(input_ids)
         per_layer_inputs = self.per_layer_inputs(input_ids, h) if "embed_tokens_per_layer" in self else None
@@ -188,7 +150,7 @@ class Gemma4TextModel(VocabularyHead, nn.Module):
                 h = h[:, -1:]
                 per_layer_inputs = None if per_layer_inputs is None else per_layer_inputs[:, -1:]
             per_layer_input = None if per_layer_inputs is None else per_layer_inputs[:, :, i, :]
-            h = layer(h, per_layer_input, layer_cache, offset, read, read_args or {})
+            h = layer(h, per_layer_input, layer_cache, offset, read)
         if last_only:
             h = h[:, -1:]
         return self.logits(self.norm(h))

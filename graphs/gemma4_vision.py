@@ -284,3 +284,27 @@ def encode_images(
             for row, index in enumerate(chunk):
                 results[index] = features[row]
     return results
+
+
+def image_blocks(is_image: np.ndarray) -> np.ndarray:
+    """``[B, L]`` block ids: the index of each maximal run of image tokens in its row, -1 for text
+    (transformers' ``get_block_sequence_ids_for_mask``; boi/eoi are text, so one image is one run)."""
+    previous = np.concatenate([np.zeros_like(is_image[:, :1]), is_image[:, :-1]], axis=1)
+    starts = is_image & ~previous
+    return np.where(is_image, np.cumsum(starts, axis=1) - 1, -1).astype(np.int32)
+
+
+def place_image_features(embedded: mx.array, is_image: np.ndarray, features: mx.array, owner: str) -> mx.array:
+    """``embedded [B, L, H]`` with the k-th image position (row-major) replaced by row k of
+    ``features [n, H]`` (the reference's ``masked_scatter``); the counts must match."""
+    count = int(is_image.sum())
+    if count != features.shape[0]:
+        raise ValueError(
+            f"{owner}: image features and image tokens do not match: the prompt has {count} image "
+            f"tokens, the images give {features.shape[0]} soft tokens"
+        )
+    B, L, H = embedded.shape
+    mask = mx.array(is_image)
+    rows = mx.maximum(mx.cumsum(mask.reshape(-1).astype(mx.int32)) - 1, 0)
+    scattered = features.astype(embedded.dtype)[rows].reshape(B, L, H)
+    return mx.where(mask[..., None], scattered, embedded)

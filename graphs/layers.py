@@ -14,9 +14,9 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from cache import cpu_math
+from cache import Read, check_caches, cpu_math
 
-from .speedups import cpu_streams, few_rows
+from .speedups import cpu_streams, few_rows, norm_rope
 
 
 def scaled(x: mx.array, factor: float) -> mx.array:
@@ -157,6 +157,70 @@ class GeGLUMLP(nn.Module):
                 up = self.up_proj(x)
             return self.down_proj(gelu_gated(up, self.gate_proj(x)))
         return self.down_proj(gelu_gated(self.up_proj(x), self.gate_proj(x)))
+
+
+class SelfAttention(nn.Module):
+    """One self-attention layer's projections; the ``Read`` on the layer's cache attends (and writes).
+
+    Queries and keys are RMS-normed per head (``norm(D)``; Gemma 2/3 norms scale by ``1 + weight``:
+    ``plus_one``) and rotated, compiled for decode (``graphs.speedups.norm_rope``); values are
+    normed when ``v_norm`` is given. A layer that reuses an earlier layer's keys and values
+    (``owns_kv=False``, Gemma 4 KV sharing) has no key/value projections and passes only queries;
+    without ``has_v_proj`` (Gemma 4's ``attention_k_eq_v``) the values are the raw ``k_proj`` output.
+    """
+
+    def __init__(
+        self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool, rope: "RoPE",
+        scale: float, norm, plus_one: bool, owns_kv: bool = True, has_v_proj: bool = True, v_norm=None,
+    ):  # fmt: skip
+        super().__init__()
+        H, D = hidden_size, head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, D
+        self.scale, self.rope, self.plus_one, self.owns_kv = scale, rope, plus_one, owns_kv
+        self.q_proj = nn.Linear(H, num_heads * D, bias=bias)
+        self.q_norm = norm(D)
+        if owns_kv:
+            self.k_proj = nn.Linear(H, num_kv_heads * D, bias=bias)
+            if has_v_proj:
+                self.v_proj = nn.Linear(H, num_kv_heads * D, bias=bias)
+            self.k_norm = norm(D)
+            if v_norm is not None:
+                self.v_norm = v_norm(D)
+        self.o_proj = nn.Linear(num_heads * D, H, bias=bias)
+
+    def __call__(self, x: mx.array, cache, offset: int, read: Read) -> mx.array:
+        B, L, _ = x.shape
+        q = norm_rope(self._heads(self.q_proj(x), self.num_heads), self.q_norm, self.rope, offset, self.plus_one)
+        if not self.owns_kv:
+            out = read(cache, q, scale=self.scale)
+        else:
+            raw_k = self.k_proj(x)
+            raw_v = self.v_proj(x) if "v_proj" in self else raw_k
+            k = norm_rope(self._heads(raw_k, self.num_kv_heads), self.k_norm, self.rope, offset, self.plus_one)
+            v = self._heads(raw_v, self.num_kv_heads)
+            if "v_norm" in self:
+                v = self.v_norm(v)
+            out = read(cache, q, k, v, scale=self.scale)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _heads(self, projected: mx.array, num_heads: int) -> mx.array:
+        """``[B, L, heads * D] -> [B, heads, L, D]``."""
+        B, L, _ = projected.shape
+        return projected.reshape(B, L, num_heads, self.head_dim).transpose(0, 2, 1, 3)
+
+
+class CheckedCaches:
+    """Mixin for graphs with ``make_cache()``: ``check_cache(cache)`` refuses a cache list made for
+    another model (other layer types, window or sharing) with a named error, before any read."""
+
+    def check_cache(self, cache: list) -> None:
+        specs = self.__dict__.get("_cache_specs")
+        if specs is None:
+            fresh = self.make_cache()
+            index = {id(c): i for i, c in enumerate(fresh)}
+            specs = [c.spec(lambda donor: index.get(id(donor))) for c in fresh]
+            self.__dict__["_cache_specs"] = specs  # plain attribute: not a parameter
+        check_caches(cache, specs, type(self).__name__)
 
 
 class Router(nn.Module):

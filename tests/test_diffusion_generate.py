@@ -206,11 +206,11 @@ def test_many_blocks_stay_exact_with_memory_bounded_by_the_window(models):
         else:  # the full layer holds everything but the last block, which no later block needed
             assert layer.stored == result.sequences.shape[1] - C
 
-    ours.encode(mx.array(result.sequences[:, -C:]), cache)  # commit the last block too
+    ours.prefill(mx.array(result.sequences[:, -C:]), cache)  # commit the last block too
     fresh = ours.make_cache()
-    ours.encode(mx.array(result.sequences), fresh)
+    ours.prefill(mx.array(result.sequences), fresh)
     canvas = mx.array(np.random.default_rng(0).integers(0, 256, (1, C)))
-    np.testing.assert_allclose(np.array(ours.decode(canvas, cache)), np.array(ours.decode(canvas, fresh)), atol=1e-5)
+    np.testing.assert_allclose(np.array(ours.denoise(canvas, cache)), np.array(ours.denoise(canvas, fresh)), atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------ the pieces

@@ -82,7 +82,7 @@ def check_decoder(hf, ours, hf_cache, cache, position: int, seed: int) -> None:
     self_conditioning = (rng.normal(size=(B, C, 256)) * 4).astype(np.float32)
     for sc in (None, self_conditioning):
         want = tiny.hf_decode(hf, canvas, hf_cache, position, sc)
-        got = np.array(ours.decode(mx.array(canvas), cache, None if sc is None else mx.array(sc)))
+        got = np.array(ours.denoise(mx.array(canvas), cache, None if sc is None else mx.array(sc)))
         assert got.dtype == np.float32
         assert np.abs(got - want).max() <= TOL, f"decoder logits at position {position}, sc={sc is not None}"
 
@@ -103,7 +103,7 @@ def run_blocks(hf, ours, prompt: np.ndarray, *, images=None, hf_images=None, blo
         check_decoder(hf, ours, hf_cache, cache, position, seed=block)
         committed = rng.integers(0, 256, (prompt.shape[0], C))
         tiny.hf_encode(hf, committed, hf_cache, start=position)
-        ours.encode(mx.array(committed), cache)
+        ours.prefill(mx.array(committed), cache)
         position += C
     return cache
 
@@ -156,7 +156,7 @@ def test_image_overlay_matters(pairs):
     causal = DiffusionGemmaModel(config)
     causal.update(ours.parameters())
     cache = causal.make_cache()
-    causal.encode(mx.array(prompt), cache, causal.image_features([(p.patches, p.position_ids) for p in processed]))
+    causal.prefill(mx.array(prompt), cache, causal.image_features([(p.patches, p.position_ids) for p in processed]))
     assert compare_caches(hf_cache, cache) > 100 * TOL
 
 

@@ -229,9 +229,9 @@ def diffusion_checkpoint(tmp_path_factory):
 
 def _decode_logits(model, ids, canvas):
     cache = model.graph.make_cache()
-    model.graph.encode(mx.array(ids), cache)
-    first = model.graph.decode(mx.array(canvas), cache, None)
-    return first, model.graph.decode(mx.array(canvas), cache, first)  # the second with self-conditioning
+    model.graph.prefill(mx.array(ids), cache)
+    first = model.graph.denoise(mx.array(canvas), cache, None)
+    return first, model.graph.denoise(mx.array(canvas), cache, first)  # the second with self-conditioning
 
 
 @pytest.mark.parametrize("bits, group_size", [(4, 32), (8, 64)])

@@ -256,7 +256,7 @@ def stream_diffusion(
     steps_per_block: list[int] = []
     for block in range(options.num_blocks(current_length, C)):
         if block:
-            model.encode(mx.array(sequences[:, -C:]), cache)
+            model.prefill(mx.array(sequences[:, -C:]), cache)
             if kv_quantization is not None:
                 kv_quantization.apply(cache)
             _eval_cache(cache)
@@ -318,7 +318,7 @@ def _denoise_block(model, cache, canvas, options, noise, rows_finished, passes, 
         step += 1
         passes += ~(np.array(done) | rows_finished)
         temperature = options.temperature(remaining)
-        processed = model.decode(canvas, cache, self_conditioning) / mx.array(temperature, dtype=mx.float32)
+        processed = model.denoise(canvas, cache, self_conditioning) / mx.array(temperature, dtype=mx.float32)
         sample = noise.sample(processed)
         new_argmax = mx.argmax(processed, axis=-1).astype(mx.int32)
         entropies = entropy(processed)
@@ -366,7 +366,7 @@ def _encode_prompt(model, ids: np.ndarray, cache: list, features: list, step: in
                 f"DiffusionGemma: the prompt's image tokens do not match the images' soft tokens "
                 f"({int((ids == image_token).sum())} tokens, {counts} features per image)"
             )
-        model.encode(mx.array(chunk), cache, chunk_features)
+        model.prefill(mx.array(chunk), cache, chunk_features)
         _eval_cache(cache)
         mx.clear_cache()
     if used != len(features):
