@@ -49,7 +49,7 @@ import zoo_switches
 
 ENV = "GEMMA_ZOO_BLAS"
 
-# MKL's OpenMP threads spin for 200 ms after each parallel region by default. On a 2-core box that
+# MKL's OpenMP threads spin for 200 ms after each parallel region by default. On a machine with few cores that
 # spinning takes the cores from MLX's own thread between two matmuls (norms, RoPE, attention), so a
 # decode step gets slower; 0 puts them to sleep at once. Applied only when the user has not set it.
 MKL_DEFAULTS = {"KMP_BLOCKTIME": "0"}

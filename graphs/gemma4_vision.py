@@ -1,7 +1,7 @@
 """The Gemma 4 vision tower and multimodal embedder in MLX (also DiffusionGemma's vision encoder).
 
 Reference: transformers 5.24 ``Gemma4VisionModel`` and ``Gemma4MultimodalEmbedder``
-(``shared/reference/gemma4-and-diffusiongemma.md`` §4.3-4.5). Module and parameter names mirror
+(``modeling_gemma4.py``). Module and parameter names mirror
 transformers' below ``vision_tower.`` / ``embed_vision.``, so a checkpoint maps onto them by
 stripping a prefix (``weights.gemma4_vision_keys``).
 

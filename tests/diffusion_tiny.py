@@ -1,6 +1,6 @@
 """Tiny random DiffusionGemma checkpoints written by transformers, and transformers' side of the tests.
 
-The configs are the reference digest's T7 (§6) and variants. Each builder seeds torch, builds
+The configs are T7 (every DiffusionGemma branch: MoE, K=V full layers, vision) and variants. Each builder seeds torch, builds
 ``DiffusionGemmaForBlockDiffusion``, gives every norm, scalar and vision weight seeded random values
 (the default init leaves them at constants, which would hide mistakes; the encoder's and the
 decoder's ``layer_scalar`` get different values, so mixing them up shows), ``save_pretrained``s it

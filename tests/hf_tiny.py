@@ -1,7 +1,7 @@
 """Tiny random Gemma 4 checkpoints written by transformers, for parity tests against the reference.
 
-The configs are the reference digest's T1-T5 (``shared/reference/gemma4-and-diffusiongemma.md`` §6)
-plus the recommended extra variants. Each builder seeds torch, builds the transformers model,
+The configs T1-T5 together cover every branch of transformers' ``Gemma4TextConfig`` (sliding and
+full geometry, KV sharing, per-layer inputs, MoE, K=V, bidirectional modes), plus extra variants. Each builder seeds torch, builds the transformers model,
 ``save_pretrained``s it into a directory and returns the model in eval mode, so a test can load the
 files into our graph and compare logits with the model that wrote them. Import this module only
 from tests that have already done ``pytest.importorskip("transformers")``.

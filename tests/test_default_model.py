@@ -25,7 +25,7 @@ def test_default_model_answers_a_one_shot_prompt():
 
 def test_zoo_model_greedy_continuation_is_the_reference_one():
     """Greedy ids of the real 270M through ``models.load('gemma-3-270m')`` equal the golden ids
-    recorded from transformers (``shared/reference/real-assets.md`` B1)."""
+    recorded from transformers' ``Gemma3ForCausalLM`` on the same weights."""
     import models
     from models.generation.generate import generate_tokens
 

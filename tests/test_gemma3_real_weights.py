@@ -37,7 +37,7 @@ PROMPTS = [
     "The quick brown fox",
     "Once upon a time, in a small village,",
 ]
-# real-assets.md B1's golden greedy ids for the first prompt (" the capital of the country of France. It is the largest").
+# transformers' greedy ids (Gemma3ForCausalLM, float32, this GGUF's weights) for the first prompt (" the capital of the country of France. It is the largest").
 GOLDEN_FRANCE = [506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506, 7488]
 
 TEXT = """When in the Course of human events, it becomes necessary for one people to dissolve the political bands which have connected them with another, and to assume among the powers of the earth, the separate and equal station to which the Laws of Nature and of Nature's God entitle them, a decent respect to the opinions of mankind requires that they should declare the causes which impel them to the separation.

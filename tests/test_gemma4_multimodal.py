@@ -1,6 +1,6 @@
 """Gemma 4 with images against transformers' ``Gemma4ForConditionalGeneration`` (fp32, tiny random weights).
 
-The checkpoints are the reference digest's T5 (``tests.hf_tiny``: vision tower, PLE, sliding window
+The checkpoints are T5 (``tests.hf_tiny``: vision tower, PLE, sliding window
 4, so every image is far longer than the window) with stronger random weights, in three text
 variants: vision bidirectionality (sliding layers see the whole image), none (plain causal), and
 vision bidirectionality with KV-shared layers (the shared layers replay the donors' image masks).

@@ -1,6 +1,6 @@
 """The MLX vision tower and embedder against transformers (the reference), fp32, random tiny weights.
 
-transformers builds each tiny model (the reference digest's T5 and T6, plus variants), every
+transformers builds each tiny model (``tests.hf_tiny``'s T5 and T6, plus variants), every
 parameter and buffer gets seeded random values (the default init leaves norms, position tables and
 clip bounds at constants, which would hide mistakes in them), ``save_pretrained`` writes it, and our
 graph loads those files. transformers runs its own processor's padded batch; we run the same images
@@ -213,7 +213,7 @@ def test_t5_real_photos_and_a_large_grid(t5, photos):
             assert worst(got, want.numpy()) <= TOL, f"{name} @ {budget}"
 
 
-# DiffusionGemma T7 (reference digest §6): the same tower under model.encoder.vision_tower.
+# DiffusionGemma T7 (``tests.diffusion_tiny``): the same tower under model.encoder.vision_tower.
 T7_TEXT = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
                num_key_value_heads=1, head_dim=32, global_head_dim=64, num_global_key_value_heads=1, sliding_window=4,
                layer_types=["sliding_attention"] * 3 + ["full_attention"], num_experts=4, top_k_experts=2,

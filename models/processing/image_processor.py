@@ -1,7 +1,7 @@
 """Gemma 4 image preprocessing with Pillow and numpy: image in, unpadded patches out.
 
-It reproduces transformers 5.24's ``Gemma4ImageProcessorPil`` (``shared/reference/
-gemma4-and-diffusiongemma.md`` §4.2) value for value: the same aspect-preserving target size, the
+It reproduces transformers 5.24's ``Gemma4ImageProcessorPil`` (``image_processing_gemma4.py``)
+value for value: the same aspect-preserving target size, the
 same Pillow bicubic resize of the uint8 RGB image, the same ``x / 255`` rescale (computed in float64,
 stored as float32), the same patch order and position ids. Two things differ on purpose:
 
