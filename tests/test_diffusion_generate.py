@@ -33,9 +33,9 @@ from models.generation.diffusion import (  # noqa: E402
     entropy_bound_accept,
     eos_padding,
     generate_diffusion,
-    prefill_chunks,
     stream_diffusion,
 )
+from models.generation.prompts import prefill_chunks, token_runs  # noqa: E402
 from models.processing.image_processor import Gemma4ImageProcessor  # noqa: E402
 from tests import diffusion_tiny as tiny  # noqa: E402
 
@@ -289,9 +289,13 @@ def test_eos_padding_matches_the_reference():
 
 
 def test_prefill_chunks_never_split_an_image():
-    ids = np.array([[1, 2, 9, 9, 9, 9, 3, 4, 5, 9, 9, 6]])
-    assert prefill_chunks(ids, 9, 3) == [(0, 6), (6, 9), (9, 12)]
-    assert prefill_chunks(ids, None, 5) == [(0, 5), (5, 10), (10, 12)]
+    """The encoder chunks batched prompts with the autoregressive loop's rule over the runs of image
+    tokens of any row."""
+    ids = np.array([[1, 2, 9, 9, 9, 9, 3, 4, 5, 9, 9, 6], [1, 9, 9, 3, 3, 3, 3, 4, 5, 6, 9, 9]])
+    runs = token_runs(ids, 9)
+    assert runs == [(1, 6), (9, 12)]
+    assert prefill_chunks(12, runs, 3) == [(0, 1), (1, 6), (6, 9), (9, 12)]
+    assert prefill_chunks(12, [], 5) == [(0, 5), (5, 10), (10, 12)]
 
 
 def test_mlx_noise_draws_the_whole_vocabulary():

@@ -38,6 +38,7 @@ from cache import cpu_math
 from graphs.layers import float_dtype
 
 from models.generation.diffusion_options import DiffusionGenerationConfig
+from models.generation.prompts import prefill_chunks, token_runs
 
 DEFAULT_PREFILL_STEP = 512
 
@@ -192,23 +193,6 @@ def eos_padding(block: np.ndarray, eos: Sequence[int], pad: int | None) -> tuple
     return block, has_eos
 
 
-def prefill_chunks(ids: np.ndarray, image_token_id: int | None, step: int) -> list[tuple[int, int]]:
-    """``(start, end)`` chunks of about ``step`` positions, extended so that no run of image tokens
-    (in any row) straddles a boundary: an image's block must be given to the encoder in one read."""
-    if step < 1:
-        raise ValueError(f"prefill_step must be >= 1, got {step}")
-    L = ids.shape[1]
-    is_image = (ids == image_token_id) if image_token_id is not None else np.zeros(ids.shape, dtype=bool)
-    chunks, start = [], 0
-    while start < L:
-        end = min(start + step, L)
-        while end < L and (is_image[:, end - 1] & is_image[:, end]).any():
-            end += 1
-        chunks.append((start, end))
-        start = end
-    return chunks
-
-
 # ----------------------------------------------------------------------------------- the loop
 def stream_diffusion(
     model,
@@ -353,7 +337,8 @@ def _encode_prompt(model, ids: np.ndarray, cache: list, features: list, step: in
     image_token = model.config.image_token_id
     counts = [f.shape[0] for f in features]
     used = 0
-    for start, end in prefill_chunks(ids, image_token if features else None, step):
+    runs = token_runs(ids, image_token) if features else []
+    for start, end in prefill_chunks(ids.shape[1], runs, step):
         chunk = ids[:, start:end]
         n_tokens = int((chunk == image_token).sum()) if features else 0
         chunk_features, taken = [], 0

@@ -14,9 +14,10 @@ split it can see, and this module never produces one).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from graphs.gemma4_multimodal_config import ImageTokenIds
 
@@ -88,8 +89,24 @@ def expand_image_placeholders(ids: Sequence[int], features: Sequence[mx.array], 
     return Prompt(out, tuple(spans))
 
 
-def prefill_chunks(length: int, images: Sequence[ImageSpan], step: int) -> list[tuple[int, int]]:
+class Span(NamedTuple):
+    """Positions ``[start, end)`` that one read must take whole (an image's soft tokens)."""
+
+    start: int
+    end: int
+
+
+def token_runs(ids: np.ndarray, token: int) -> list[Span]:
+    """The maximal runs of positions where any row of ``ids [B, L]`` holds ``token`` (batched images)."""
+    hit = np.concatenate([[False], (np.asarray(ids) == token).any(axis=0), [False]])
+    edges = np.flatnonzero(hit[1:] != hit[:-1])
+    return [Span(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+
+
+def prefill_chunks(length: int, images: Sequence[ImageSpan | Span], step: int) -> list[tuple[int, int]]:
     """``[start, end)`` reads of at most ``step`` positions covering ``[0, length)``, none inside an image.
+
+    Both generation loops (autoregressive and block diffusion) chunk their prompts with it.
 
     A boundary that would land inside an image moves back to the image's start; when the image
     starts the chunk (it is longer than what is left of the step), the chunk runs to the image's
@@ -111,7 +128,7 @@ def prefill_chunks(length: int, images: Sequence[ImageSpan], step: int) -> list[
     return bounds
 
 
-def _check_spans(length: int, images: Sequence[ImageSpan]) -> None:
+def _check_spans(length: int, images: Sequence[ImageSpan | Span]) -> None:
     # Adjacent spans would read as one image (the reference's blocks are runs of image tokens).
     previous_end = -1
     for span in images:
