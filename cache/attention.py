@@ -1,12 +1,11 @@
 """The attention every read ends in, and the argument checks shared by every read.
 
 On a GPU (and with ``GEMMA_ZOO_FAST_MATH=0``) attention is MLX's fused kernel. On the CPU that
-kernel has no implementation of its own: it falls back to matmuls around ``mx.softmax``, whose
-scalar ``exp`` was 60% of a 512-token prefill's attention on the real 270M. There ``attend`` runs
-the same products itself, with GQA folded into rows (one product per kv head, the stored keys never
-broadcast) and ``cache.cpu_math.softmax``, in blocks of queries (``BLOCK_SCORES``; a causal
-block skips the keys after its last query): 16.7 -> 9 ms per 270M layer. A single query (decode)
-keeps MLX's kernel, which was faster there (23.0 vs 21.5 tok/s on the 270M).
+kernel falls back to matmuls around ``mx.softmax``, whose ``exp`` is a scalar loop; there
+``attend`` runs the same products itself, with GQA folded into rows (one product per kv head, the
+stored keys never broadcast) and ``cache.cpu_math.softmax``, in blocks of queries
+(``BLOCK_SCORES``; a causal block skips the keys after its last query). A single query (decode)
+keeps MLX's kernel, which is the faster of the two there. ``docs/speed.md`` has the measurements.
 """
 
 from __future__ import annotations
@@ -19,11 +18,9 @@ import mlx.core as mx
 from . import cpu_math
 
 
-# Scores per block of queries on the CPU. MLX's CPU kernels slow down sharply past ~0.5M elements
-# an array (the vectorised exp over 2048 x 512 scores: 2-4 ms; 4096 x 512: 13-40 ms, on the 2-core
-# box), so a chunk's queries are attended in blocks of at most this many scores. Measured (512-token
-# prefill, interleaved): 2^17 against no blocks, E2B-shaped Gemma 4 1130 -> 1737 tok/s, Gemma 3
-# 270M 513 -> 546; 2^16 and 2^18 were within noise of 2^17, 2^19 slower.
+# Scores per block of queries on the CPU: MLX's CPU kernels slow down sharply on arrays past about
+# half a million elements, so a chunk's queries are attended in blocks of at most this many scores
+# (2^16 to 2^18 measure alike, 2^19 slower: docs/speed.md).
 BLOCK_SCORES = 1 << 17
 
 

@@ -1,21 +1,17 @@
 """exp (softmax), tanh (GELU, softcap) and RoPE as compiled float32 chains, for MLX's CPU backend.
 
-On Linux, MLX's CPU ``exp``, ``tanh``, ``cos`` and ``sin`` are scalar loops (~10 ns an element:
-its SIMD layer has no x86 vector type), while a chain of element-wise multiplies and adds compiled
-by ``mx.compile`` becomes one vectorised C++ kernel. In a 512-token prefill of the real Gemma 3
-270M that made the attention softmax, the MLP's tanh GELU and RoPE's cos/sin ~45% of the time
-(10, 24 and 3 ms per layer of a 68 ms layer; torch does each in under 1 ms). The functions here
-compute the same values as polynomials that compile to vector code, and RoPE rotates by tables
-made once per forward: softmax 10 -> ~4 ms, GELU 24 -> 1.6 ms, RoPE 3 -> 1 ms per layer (2-core
-box; ``docs/speed.md``).
+On Linux, MLX's CPU ``exp``, ``tanh``, ``cos`` and ``sin`` are scalar loops (its SIMD layer has
+no x86 vector type), while a chain of element-wise multiplies and adds compiled by ``mx.compile``
+becomes one vectorised C++ kernel. The functions here compute the same values as polynomials that
+compile to vector code, and RoPE rotates by tables made once per forward (``docs/speed.md`` has
+what each buys in a prefill).
 
 Accuracy (float32, checked in ``tests/test_cpu_math.py`` against float64): ``exp`` within 1e-7
 relative (Cephes' ``expf``: round to a power of two, degree-7 polynomial; MLX's own CPU ``exp`` is
 within 4e-6), ``tanh`` within 4e-7 absolute (Eigen's rational ``[13/6]`` approximation, the one
 XLA uses). They are used only where the default device is the CPU; GPUs keep MLX's fused kernels
 (``mx.fast.scaled_dot_product_attention``, ``nn.gelu_approx``). ``GEMMA_ZOO_FAST_MATH=0`` turns
-them off on the CPU too. Without a C++ compiler MLX runs the same chains unfused (still ~3x faster
-than the scalar loops).
+them off on the CPU too. Without a C++ compiler MLX runs the same chains unfused.
 """
 
 from __future__ import annotations
@@ -86,8 +82,8 @@ def softmax(scores: mx.array, axis: int = -1) -> mx.array:
 
 
 def log_softmax(logits: mx.array, axis: int = -1) -> mx.array:
-    """``logits - logsumexp(logits)`` along ``axis`` in float32: a sampler's log-probabilities over
-    a 262,144-word vocabulary cost 2.6 ms a token through MLX's scalar ``exp``, 0.3 ms here."""
+    """``logits - logsumexp(logits)`` along ``axis`` in float32, with the vectorised ``exp``: a
+    sampler's log-probabilities over a 262,144-word vocabulary, every token."""
     logits = logits.astype(mx.float32)
     if not active():
         return logits - mx.logsumexp(logits, axis=axis, keepdims=True)
