@@ -2,7 +2,8 @@
 
 A read receives the new queries, keys and values of one attention (already normed and rotated),
 writes what the read says it writes, builds the mask from absolute positions (``cache.masks``) and
-returns the attention output. Subclasses provide only the storage: ``_append`` (write the new rows
+returns the attention output. ``draft`` (a Gemma 4 assistant's queries on its target's cache)
+writes nothing and reads the stored positions in place. Subclasses provide only the storage: ``_append`` (write the new rows
 and return the contiguous run of positions the new queries may need), ``_canvas_keys`` (the same
 for a block that is not written) and the trim/state plumbing.
 
@@ -117,6 +118,39 @@ class AttentionCache:
         keys, values = self._canvas_keys(self.codec.pack(k), self.codec.pack(v), k, v)
         self._last = Attended("canvas", q.shape[2], self.offset, keys, values, None, _geometry(k, v))
         return self.codec.attend(q, keys, values, scale, None)
+
+    def draft(self, q: mx.array, k=None, v=None, *, scale: float) -> mx.array:
+        """A drafter's queries (a Gemma 4 assistant) on this target cache; writes nothing.
+
+        Every query sits at the next position (``offset``, not yet stored) and sees stored keys
+        only: all of them on full layers, the newest ``window + 1`` on sliding layers (the
+        reference assistant's flipped, inclusive sliding mask; ``masks.draft``). The keys are read
+        where they are stored (quantized ones too), never copied. Raises ``ValueError`` when the
+        cache is empty, when ``k``/``v`` are given, when ``q`` does not fit the stored keys, or when
+        a sliding cache keeps fewer than ``window + 1`` positions (a slack below 2).
+        """
+        if k is not None or v is not None:
+            raise ValueError("draft: takes only q; the keys and values are the ones this cache stores")
+        check_query("draft", "q", q)
+        scale = check_scale("draft", scale)
+        if self.keys is None or not self._rows:
+            raise ValueError("draft: the cache holds no positions to read (prefill the target first)")
+        B, Hkv, D, _, dtype = self._geometry
+        if q.shape[0] != B or q.shape[1] % Hkv or q.shape[3] != D or q.dtype != dtype:
+            raise ValueError(
+                f"draft: q {tuple(q.shape)} of {q.dtype} does not fit the stored keys [B={B}, Hkv={Hkv}, *, D={D}] "
+                f"of {dtype} (q needs the same B, D and dtype, and a multiple of Hkv heads)"
+            )
+        n = self._rows
+        need = n if self.sliding_window is None else min(self.offset, self.sliding_window + 1)
+        if n < need:
+            raise ValueError(
+                f"draft: a drafter reads the newest {need} positions of this sliding cache (window "
+                f"{self.sliding_window} + 1), but only {n} are stored; make the cache with slack >= 2"
+            )
+        keys, values = rows(self.keys, n - need, n), rows(self.values, n - need, n)
+        mask = masks.draft(self.offset, q.shape[2], self.offset - need, need, self.sliding_window)
+        return self.codec.attend(q, keys, values, scale, mask)
 
     # ------------------------------------------------------------------------------- shared layers
     def shared_view(self) -> "SharedView":
@@ -425,6 +459,10 @@ class SharedView:
 
     def bidirectional(self, q, k=None, v=None, *, scale):
         return self._replay("bidirectional", q, k, v, scale)
+
+    def draft(self, q, k=None, v=None, *, scale):
+        """A drafter's read goes to the donor (it reads stored positions, not a replayed forward)."""
+        return self.donor.draft(q, k, v, scale=scale)
 
     def can_trim(self, n: int) -> bool:
         return False

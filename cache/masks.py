@@ -82,3 +82,16 @@ def bidirectional(q_start: int, L: int, k_start: int, T: int, window: int | None
     if max(q_start + L - 1 - k_start, k_start + T - 1 - q_start) <= window:
         return None
     return mx.abs(kpos - qpos) <= window
+
+
+def draft(q_start: int, L: int, k_start: int, T: int, window: int | None):
+    """A drafter's read (Gemma 4 assistants): ``L`` queries that all sit at position ``q_start``
+    (the next position, not yet stored) over stored keys only. Full layers see every stored key;
+    sliding layers the newest ``window + 1`` before ``q_start``, i.e. keys in
+    ``[q_start - window - 1, q_start)``: transformers' assistant flips a bidirectional sliding mask
+    whose window is inclusive (``|i - j| <= window``) over the stored keys, newest first.
+    None when every key of the run is visible (the cache passes exactly that run)."""
+    if window is None or k_start >= q_start - window - 1:
+        return None
+    kpos = mx.arange(k_start, k_start + T)[None, :]
+    return mx.broadcast_to(kpos >= q_start - window - 1, (L, T))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-NAMES = ("decode", "window", "vision_prefill", "encoder", "canvas", "bidirectional")
+NAMES = ("decode", "window", "vision_prefill", "encoder", "canvas", "bidirectional", "draft")
 _WITH_BLOCKS = ("vision_prefill", "encoder")
 
 
@@ -50,6 +50,11 @@ class Read:
     @classmethod
     def bidirectional(cls) -> "Read":
         return cls("bidirectional")
+
+    @classmethod
+    def draft(cls) -> "Read":
+        """A drafter's queries on a target's cache (Gemma 4 assistants): writes nothing."""
+        return cls("draft")
 
     def __call__(self, cache, q: mx.array, k: mx.array | None = None, v: mx.array | None = None, *, scale: float) -> mx.array:
         """The attention output of ``q`` (and, on layers that write, the new ``k``/``v``) through this read."""
