@@ -92,20 +92,23 @@ class Gemma4MultimodalModel(nn.Module):
         return encode_images(self.vision_tower, self.embed_vision, images)
 
     def __call__(
-        self, input_ids: mx.array, cache: list | None = None, last_only: bool = False, image_features: mx.array | None = None
+        self, input_ids: mx.array, cache: list | None = None, last_only: bool = False, image_features: mx.array | None = None,
+        with_hidden: bool = False,
     ) -> mx.array:
         """Logits of ``input_ids`` appended to ``cache`` (a fresh one when None).
 
         ``image_features`` ``[n, hidden]`` must hold exactly one row per image token in
         ``input_ids`` (every image of this read, whole). Without it the call is the text model's.
+        ``with_hidden`` also returns the final normed hidden states (as ``Gemma4TextModel``).
         """
         if image_features is None:
-            return self.language_model(input_ids, cache=cache, last_only=last_only)
+            return self.language_model(input_ids, cache=cache, last_only=last_only, with_hidden=with_hidden)
         ids = np.array(input_ids)
         is_image = ids == self.config.image_tokens.image
         tokens = ImageTokens(mx.array(np.where(is_image, self.config.pad_token_id, ids)), is_image, image_features)
         cache = self.make_cache() if cache is None else cache
-        return self.language_model.forward(tokens, cache, self._prefill_read(is_image, cache), last_only=last_only)
+        read = self._prefill_read(is_image, cache)
+        return self.language_model.forward(tokens, cache, read, last_only=last_only, with_hidden=with_hidden)
 
     def _prefill_read(self, is_image: np.ndarray, cache: list) -> Read:
         mode = self.config.text.use_bidirectional_attention

@@ -119,25 +119,29 @@ class Gemma4TextModel(VocabularyHead, CheckedCaches, nn.Module):
         return caches
 
     # ------------------------------------------------------------------------------ forward
-    def __call__(self, input_ids: mx.array, cache: list | None = None, last_only: bool = False) -> mx.array:
+    def __call__(
+        self, input_ids: mx.array, cache: list | None = None, last_only: bool = False, with_hidden: bool = False
+    ) -> mx.array:
         """Logits for every position of ``input_ids`` (only the last one with ``last_only``, which
         spares the vocabulary-wide head product over a whole prefill chunk).
 
         Without ``cache`` this is the no-cache forward (fresh caches for this call only). With one,
         the ids are appended: a ``window`` read for L > 1, a ``decode`` read for L == 1.
+        ``with_hidden`` also returns the final normed hidden states (what a Gemma 4 assistant reads).
         """
         if self.config.use_bidirectional_attention == "all":
             if cache is not None and cache[0].offset:
                 raise ValueError("Gemma 4 use_bidirectional_attention='all' encodes a whole sequence at once; "
                                  "it has no incremental (cached) generation")
-            return self.forward(input_ids, cache or self.make_cache(), Read.bidirectional(), last_only=last_only)
+            return self.forward(input_ids, cache or self.make_cache(), Read.bidirectional(), last_only, with_hidden)
         if cache is None:
-            return self.forward(input_ids, self.make_cache(), Read.window(), last_only=last_only)
+            return self.forward(input_ids, self.make_cache(), Read.window(), last_only, with_hidden)
         read = Read.decode() if input_ids.shape[1] == 1 else Read.window()
-        return self.forward(input_ids, cache, read, last_only=last_only)
+        return self.forward(input_ids, cache, read, last_only, with_hidden)
 
-    def forward(self, input_ids: mx.array, cache: list, read: Read, last_only: bool = False) -> mx.array:
-        """Run every layer with ``read`` on its cache (a list made by ``make_cache``, checked)."""
+    def forward(self, input_ids: mx.array, cache: list, read: Read, last_only: bool = False, with_hidden: bool = False):
+        """Run every layer with ``read`` on its cache (a list made by ``make_cache``, checked); the
+        logits, or ``(logits, final normed hidden states)`` with ``with_hidden``."""
         self.check_cache(cache)
         offset = cache[0].offset  # layer 0 always owns storage; read before any layer writes
         h = self.embed(input_ids)
@@ -153,7 +157,8 @@ class Gemma4TextModel(VocabularyHead, CheckedCaches, nn.Module):
             h = layer(h, per_layer_input, layer_cache, offset, read)
         if last_only:
             h = h[:, -1:]
-        return self.logits(self.norm(h))
+        h = self.norm(h)
+        return (self.logits(h), h) if with_hidden else self.logits(h)
 
     def embed(self, input_ids: mx.array) -> mx.array:
         """``E[ids] * sqrt(H)``, the scale cast to the weights' dtype first (bf16 rounds it, as the reference does)."""

@@ -77,6 +77,22 @@ def load_diffusion_gemma_weights(graph, weights) -> None:
     load_mapped(graph, map_diffusion_gemma_weights(weights, parameter_shapes(graph), vision_clipped=clipped), "diffusion_gemma keys")
 
 
+def load_gemma4_assistant_weights(graph, weights) -> None:
+    from weights.gemma4_assistant_keys import map_gemma4_assistant_weights
+    from weights.modules import load_mapped, parameter_shapes
+
+    mapped = map_gemma4_assistant_weights(weights, parameter_shapes(graph), tied=graph.config.tie_word_embeddings)
+    load_mapped(graph, mapped, "gemma4_assistant keys")
+
+
+def _gemma4_assistant(config: Mapping[str, Any], weight_names: Collection[str]) -> Architecture:
+    """A drafter for a Gemma 4 target (``models.generation.speculative``); it cannot generate alone."""
+    from graphs.gemma4_assistant import Gemma4AssistantModel
+    from graphs.gemma4_assistant_config import Gemma4AssistantConfig
+
+    return Architecture(Gemma4AssistantConfig.from_dict, Gemma4AssistantModel, load_gemma4_assistant_weights)
+
+
 def _gemma4_text(config: Mapping[str, Any], weight_names: Collection[str]) -> Architecture:
     from graphs.gemma4_text import Gemma4TextModel
     from graphs.gemma4_text_config import Gemma4TextConfig
@@ -126,6 +142,7 @@ ARCHITECTURES: dict[str, Callable[[Mapping[str, Any], Collection[str]], Architec
     "gemma3_text": _gemma3_text,
     "gemma3": _gemma3_text,  # the text part of a multimodal Gemma 3 checkpoint
     "diffusion_gemma": _diffusion_gemma,
+    "gemma4_assistant": _gemma4_assistant,
 }
 
 
