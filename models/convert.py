@@ -17,12 +17,23 @@ quantized under ``weights.quantize.QuantizationPolicy`` and written as:
   the same config in our loader);
 * tokenizer files, chat template, generation config and licence/notice files, copied;
 * ``README.md``: a model card saying what was quantized, how, and what stayed in full precision.
+
+The output never touches the source and never half-exists: an output folder that is, contains or
+lies inside the source folder (symlinks resolved) is refused; the folder is written under
+``.<name>.partial-<pid>`` beside the target and renamed into place only when complete, so an
+interrupted or failed run (disk full: ``ConversionWriteError``, an ``OSError`` naming the folder)
+leaves the target as it was. ``overwrite`` replaces only an empty folder or one an earlier
+conversion wrote (our model card, and only files a conversion writes), after the new one is
+complete. Side files are copied only from inside the source folder (``weights.resolve.folder_file``).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import fnmatch
 import json
+import os
 import re
 import shutil
 import sys
@@ -48,10 +59,14 @@ from weights.quantize import (
     quantized_modules,
     read_quantization,
 )
+from weights.resolve import folder_file, remove_stale_staging, staging_name
 
 from models.loading import load_graph, model_folder
 
 INDEX_FILE = "model.safetensors.index.json"
+MODEL_CARD = "README.md"
+# The model card's provenance line; an existing folder whose card has it is a previous conversion.
+CARD_MARKER = "Converted with `python -m models.convert` (gemma-mlx-zoo)"
 DEFAULT_MAX_SHARD = "5GB"
 # Copied as they are when the source has them.
 COPIED_FILES = (
@@ -67,8 +82,13 @@ COPIED_FILES = (
     "preprocessor_config.json",
 )
 COPIED_PATTERNS = ("LICENSE*", "NOTICE*", "GEMMA_TERMS*", "*.upstream.md")
+_SHARD_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?B)?\s*$", re.IGNORECASE)
 _UNITS = {None: 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}
+
+
+class ConversionWriteError(OSError):
+    """The output folder could not be written (disk full, no permission); nothing was changed."""
 
 
 @dataclass
@@ -277,22 +297,32 @@ def write_shards(out: Path, tensors: Mapping[str, mx.array], max_shard_bytes: in
     )
     weight_map = {}
     for name, shard in zip(names, shards):
-        mx.save_safetensors(str(out / name), shard, metadata={"format": "mlx"})
+        try:
+            mx.save_safetensors(str(out / name), shard, metadata={"format": "mlx"})
+        except RuntimeError as e:  # MLX reports failed writes (a full disk) as RuntimeError
+            raise OSError(f"MLX could not write {name} ({e})") from e
         weight_map.update({key: name for key in shard})
     index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     return names + [INDEX_FILE]
 
 
-def copy_side_files(source: Path, out: Path) -> list[str]:
-    copied = []
+def side_files(source: Path) -> list[str]:
+    """The tokenizer, template, config and licence files of ``source`` to copy, each checked to lie
+    inside it (a symlink out of the folder is refused by name, never copied)."""
     names = [n for n in COPIED_FILES if (source / n).is_file()]
     for pattern in COPIED_PATTERNS:
         names += sorted(p.name for p in source.glob(pattern) if p.is_file() and p.name not in names)
     for name in names:
-        shutil.copyfile(source / name, out / name)
-        copied.append(name)
-    return copied
+        folder_file(source, name, f"convert: side file {source / name}")
+    return names
+
+
+def copy_side_files(source: Path, out: Path, names: list[str] | None = None) -> list[str]:
+    names = side_files(source) if names is None else names
+    for name in names:
+        shutil.copyfile(folder_file(source, name, f"convert: side file {source / name}"), out / name)
+    return list(names)
 
 
 # ---------------------------------------------------------------------------------------- convert
@@ -308,12 +338,16 @@ def convert(
 ) -> ConversionResult:
     """Convert ``model`` into an MLX folder at ``out`` (see the module docstring); returns what was written."""
     start = time.perf_counter()
-    out = Path(out)
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"convert: {out} exists and is not empty (pass overwrite=True / --overwrite to replace it)")
+    out = Path(out).expanduser()
+    target = out.resolve()
+    max_shard_bytes = parse_size(max_shard_size)
+    remove_stale_staging(target)  # what a killed run left beside the target (an earlier output it moved aside is put back)
+    if not overwrite:
+        output_state(out, target, overwrite=False)  # before loading anything
     folder = model_folder(str(model))
-    if out.resolve() == folder.resolve():
-        raise ValueError(f"convert: the output folder {out} is the source folder")
+    check_apart(folder, out, target)
+    output_state(out, target, overwrite)
+    side = side_files(folder)
     raw = read_config(folder)
     stored = read_quantization(raw, str(folder / "config.json"))
     loaded = load_graph(folder, dtype, q_bits, q_group_size, q_policy)
@@ -334,20 +368,180 @@ def convert(
     if dtype is not None:
         config["dtype"] = str(dtype)
 
-    if out.exists() and overwrite:
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    files = write_shards(out, tensors, parse_size(max_shard_size))
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    files += ["config.json"] + copy_side_files(folder, out)
     total = sum(v.nbytes for v in tensors.values())
-    result = ConversionResult(
-        out, files, total, get_total_parameters(graph), entry, report, time.perf_counter() - start,
-        notes=_notes(config, added),
-    )  # fmt: skip
-    (out / "README.md").write_text(model_card(str(model), raw, graph, layout, result, stored))
-    result.files.append("README.md")
+    need = total + sum((folder / n).stat().st_size for n in side) + (1 << 20)
+    created = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = staging_name(target)
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        _check_space(out, target, need, output_state(out, target, True, quiet=True))
+        staging.mkdir()
+        files = write_shards(staging, tensors, max_shard_bytes)
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        files += ["config.json"] + copy_side_files(folder, staging, side)
+        result = ConversionResult(
+            out, files, total, get_total_parameters(graph), entry, report, 0.0, notes=_notes(config, added),
+        )  # fmt: skip
+        (staging / MODEL_CARD).write_text(model_card(str(model), raw, graph, layout, result, stored), encoding="utf-8")
+        result.files.append(MODEL_CARD)
+    except ConversionWriteError:
+        _remove_empty(created)
+        raise
+    except OSError as e:
+        error = _write_error(e, out, target, need, output_state(out, target, True, quiet=True))
+        shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty(created)
+        raise error from e
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty(created)
+        raise
+    try:
+        _move_into_place(staging, out, target, overwrite)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        _remove_empty(created)
+        raise
+    result.seconds = time.perf_counter() - start
     return result
+
+
+# ---------------------------------------------------------------------------------------- output folder
+def check_apart(source: Path, out: Path, target: Path) -> None:
+    """Refuse an output folder that is, contains or lies inside the source folder (symlinks resolved),
+    or that holds a file the source links to (a Hub snapshot's blobs): replacing it would lose the source."""
+    src = source.resolve()
+    why = None
+    if target == src:
+        why = "is the source folder"
+    elif target in src.parents:
+        why = f"contains the source folder {source}"
+    elif src in target.parents:
+        why = f"lies inside the source folder {source}"
+    else:
+        for entry in sorted(source.iterdir()):
+            real = entry.resolve()
+            if real == target or target in real.parents:
+                why = f"holds {real}, the source's {entry.name}"
+                break
+    if why is not None:
+        raise ValueError(f"convert: the output folder {out} {why}; choose an output outside the source")
+
+
+def output_state(out: Path, target: Path, overwrite: bool, quiet: bool = False) -> str:
+    """What ``target`` is now: "new" (absent), "empty", or "previous" (an earlier conversion's output).
+
+    A non-empty folder is refused (``FileExistsError`` naming ``out``) unless ``overwrite`` is set
+    and it is a previous conversion output: it has our model card and holds only files a conversion
+    writes. ``quiet`` returns "other" instead of raising.
+    """
+    if not target.exists():
+        return "new"
+    why = None
+    if not target.is_dir():
+        why = f"convert: {out} exists and is not a folder"
+    elif not any(target.iterdir()):
+        return "empty"
+    elif not overwrite:
+        why = f"convert: {out} exists and is not empty (pass overwrite=True / --overwrite to replace an earlier conversion)"
+    elif (reason := _not_a_conversion(target)) is not None:
+        why = (f"convert: refusing to overwrite {out}: {reason}, so it is not an earlier output of python -m models.convert "
+               "(overwrite replaces only those); move it away or choose another output folder")  # fmt: skip
+    if why is None:
+        return "previous"
+    if quiet:
+        return "other"
+    raise FileExistsError(why)
+
+
+def _not_a_conversion(folder: Path) -> str | None:
+    card = folder / MODEL_CARD
+    if card.is_symlink() or not card.is_file():
+        return f"it has no {MODEL_CARD} model card"
+    with open(card, encoding="utf-8", errors="replace") as f:
+        if CARD_MARKER not in f.read(1 << 16):
+            return f"its {MODEL_CARD} is not a model card this command wrote"
+    others = sorted(p.name for p in folder.iterdir() if p.is_symlink() or not p.is_file() or not _written_name(p.name))
+    if others:
+        return f"it holds {', '.join(others[:5])}{', ...' if len(others) > 5 else ''}, which a conversion does not write"
+    return None
+
+
+def _written_name(name: str) -> bool:
+    return (
+        name in (INDEX_FILE, "config.json", MODEL_CARD, *COPIED_FILES)
+        or _SHARD_FILE.fullmatch(name) is not None
+        or any(fnmatch.fnmatchcase(name, pattern) for pattern in COPIED_PATTERNS)
+    )
+
+
+def _move_into_place(staging: Path, out: Path, target: Path, overwrite: bool) -> None:
+    """Rename the complete ``staging`` folder to ``target``; a previous output is moved aside first,
+    put back if the rename fails, and removed only once the new folder is in place."""
+    state = output_state(out, target, overwrite)  # again: the folder may have changed while converting
+    if state != "previous":
+        if state == "empty":
+            target.rmdir()
+        os.rename(staging, target)
+        return
+    old = staging_name(target, "old")
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(target, old)
+    try:
+        os.rename(staging, target)
+    except BaseException:
+        os.rename(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_empty(created: list[Path]) -> None:
+    """Remove the parent folders this run created (deepest first), so a failed run leaves no trace."""
+    for folder in created:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def _free_bytes(target: Path) -> int | None:
+    try:
+        return shutil.disk_usage(target.parent).free
+    except OSError:
+        return None
+
+
+def _check_space(out: Path, target: Path, need: int, state: str) -> None:
+    free = _free_bytes(target)
+    if free is not None and free < need:
+        reason = f"not enough free disk space (about {_megabytes(need)} needed, {_megabytes(free)} free)"
+        raise ConversionWriteError(_unchanged(out, reason, state))
+
+
+def _write_error(e: OSError, out: Path, target: Path, need: int, state: str) -> ConversionWriteError:
+    """The error for a failed write: what failed (disk full named as such) and that ``out`` is unchanged."""
+    free = _free_bytes(target)
+    if getattr(e, "errno", None) == errno.ENOSPC or (free is not None and free < (16 << 20)):
+        reason = "no space left on device" + (f" ({_megabytes(free)} free, about {_megabytes(need)} needed)" if free is not None else "")
+    else:
+        reason = str(e) or type(e).__name__
+    error = ConversionWriteError(_unchanged(out, reason, state) + " (partial files removed)")
+    error.errno = getattr(e, "errno", None)
+    return error
+
+
+def _unchanged(out: Path, reason: str, state: str) -> str:
+    kept = {
+        "new": f"{out} was not created",
+        "empty": f"{out} is still empty",
+        "previous": f"{out} still holds the earlier conversion",
+    }.get(state, f"{out} is as it was")
+    return f"convert: could not write {out}: {reason}. Nothing was changed: {kept}"
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
 
 
 def _notes(config: Mapping[str, Any], added: list[str]) -> list[str]:
@@ -383,7 +577,7 @@ def model_card(source: str, raw: Mapping[str, Any], graph: nn.Module, layout: La
         lines.append(f"base_model: {source}")
     lines += ["---", "", f"# {result.out.name}", ""]
     lines.append(
-        f"Converted with `python -m models.convert` (gemma-mlx-zoo) from `{source}` "
+        f"{CARD_MARKER} from `{source}` "
         f"(`model_type` {raw.get('model_type')!r}, graph `{type(graph).__name__}`)."
     )
     lines += ["", "## Quantization", ""]
@@ -440,6 +634,7 @@ def _kind(path: str) -> str:
 
 # ---------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
+    """The command line; an error prints one ``error: ...`` line (no traceback) and returns 1 (130 when interrupted)."""
     p = argparse.ArgumentParser(prog="python -m models.convert", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a zoo name, a local folder or a Hub repo id")
     p.add_argument("--out", required=True, help="the folder to write (must not exist or be empty)")
@@ -449,21 +644,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--embed-bits", type=int, choices=LOAD_BITS, help="bits for the embeddings and the LM head (default: --q-bits)")
     p.add_argument("--quantize-vision", action="store_true", help="quantize the vision tower too (default: full precision)")
     p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD, help="largest shard file (default 5GB)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier output of this command (only such a folder, and only once the new one is complete)")  # fmt: skip
+    p.add_argument("--traceback", action="store_true", help="on an error, show the full traceback")
     args = p.parse_args(argv)
-    policy = None
-    if args.q_bits is not None and (args.embed_bits is not None or args.quantize_vision):
-        policy = QuantizationPolicy(args.q_bits, args.q_group_size or 64, embed_bits=args.embed_bits, quantize_vision=args.quantize_vision)
-    elif args.q_bits is None and (args.embed_bits is not None or args.quantize_vision or args.q_group_size is not None):
+    if args.q_bits is None and (args.embed_bits is not None or args.quantize_vision or args.q_group_size is not None):
         p.error("--q-group-size, --embed-bits and --quantize-vision need --q-bits")
     try:
+        policy = None
+        if args.q_bits is not None and (args.embed_bits is not None or args.quantize_vision):
+            policy = QuantizationPolicy(args.q_bits, args.q_group_size or 64, embed_bits=args.embed_bits, quantize_vision=args.quantize_vision)
         result = convert(
             args.model, args.out,
             q_bits=None if policy else args.q_bits, q_group_size=None if policy else args.q_group_size,
             dtype=args.dtype, q_policy=policy, max_shard_size=args.max_shard_size, overwrite=args.overwrite,
         )  # fmt: skip
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        if args.traceback:
+            raise
+        print(f"error: interrupted; nothing was changed ({args.out} is as it was)", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.traceback:
+            raise
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 1
     q = result.quantization
     what = f"{q['bits']}-bit, group {q['group_size']}" if q else "not quantized"
@@ -474,6 +678,14 @@ def main(argv: list[str] | None = None) -> int:
     for note in result.notes:
         print(f"note: {note}")
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    """``e`` on one line; errors we do not raise ourselves keep their type name (``KeyError: 'x'``)."""
+    text = " ".join(str(e).split())
+    if isinstance(e, (OSError, ValueError)) and text:
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 if __name__ == "__main__":

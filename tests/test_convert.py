@@ -5,6 +5,8 @@ side files, model card) loads back identically, loads in mlx-lm for ``gemma4_tex
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -204,3 +206,216 @@ def test_quantized_vision_tower_round_trip(sources, tmp_path):
     picture = Image.fromarray(np.random.default_rng(0).integers(0, 256, (96, 144, 3), dtype=np.uint8))
     features = [m.encode_images([picture], max_soft_tokens=70)[0] for m in (loaded, on_load)]
     assert mx.array_equal(*features)
+
+
+# ---------------------------------------------------------------------------------------- files and paths
+def _source_copy(sources, folder):
+    """A private copy of the tiny T1 source (with side files), so a test may put things around it."""
+    import shutil
+
+    shutil.copytree(sources / "T1", folder)
+    return folder
+
+
+def _tree(folder):
+    """Every file under ``folder`` with its bytes (symlinks as their targets)."""
+    import os
+
+    out = {}
+    for path in sorted(folder.rglob("*")):
+        if path.is_symlink():
+            out[str(path.relative_to(folder))] = ("link", os.readlink(path))
+        elif path.is_file():
+            out[str(path.relative_to(folder))] = path.read_bytes()
+    return out
+
+
+def _dead_pid():
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_overwrite_never_touches_the_source(sources, tmp_path, capsys):
+    """--out that contains, is, or lies inside the source (symlinks resolved) is refused, nothing deleted."""
+    proj = tmp_path / "proj"
+    src = _source_copy(sources, proj / "src")
+    (proj / "notes.txt").write_text("mine")
+    (tmp_path / "link").symlink_to(src)
+    before = _tree(proj)
+    for out, why in [
+        (proj, "contains the source folder"),
+        (src, "is the source folder"),
+        (tmp_path / "link", "is the source folder"),
+        (src / "sub" / "out", "lies inside the source folder"),
+    ]:
+        assert main(["--model", str(src), "--out", str(out), "--q-bits", "4", "--overwrite"]) == 1
+        err = capsys.readouterr().err
+        assert why in err and err.count("\n") == 1 and "Traceback" not in err
+        assert _tree(proj) == before
+    with pytest.raises(ValueError, match="contains the source folder"):
+        convert(str(tmp_path / "link"), proj, overwrite=True)
+    assert _tree(proj) == before
+
+
+def test_output_holding_a_file_the_source_links_to_is_refused(sources, tmp_path):
+    """A Hub snapshot links into blobs/: an output around those blobs would lose the source's weights."""
+    import shutil
+
+    blobs = tmp_path / "models--org--tiny" / "blobs"
+    snapshot = tmp_path / "models--org--tiny" / "snapshots" / "rev"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for f in (sources / "T1").iterdir():
+        shutil.copyfile(f, blobs / f.name)
+        (snapshot / f.name).symlink_to(f"../../blobs/{f.name}")
+    with pytest.raises(ValueError, match="holds .*blobs"):
+        convert(str(snapshot), blobs, overwrite=True)
+    assert sorted(p.name for p in blobs.iterdir()) == sorted(p.name for p in (sources / "T1").iterdir())
+    assert models.load(str(snapshot), tokenizer=False) is not None  # the Hub cache layout still loads
+
+
+def test_overwrite_replaces_only_an_earlier_conversion(sources, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    with pytest.raises(FileExistsError, match=r"refusing to overwrite .*out.*model card"):
+        convert(str(sources / "T1"), out, q_bits=4, overwrite=True)
+    assert _tree(out) == {"thesis.tex": b"years of work"}
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    convert(str(sources / "T1"), empty, q_bits=4)  # an empty folder is used without --overwrite
+    (empty / "thesis.tex").write_text("added later")
+    with pytest.raises(FileExistsError, match=r"thesis\.tex, which a conversion does not write"):
+        convert(str(sources / "T1"), empty, q_bits=8, overwrite=True)
+    assert (empty / "thesis.tex").read_text() == "added later"
+    (empty / "thesis.tex").unlink()
+    result = convert(str(sources / "T1"), empty, q_bits=8, overwrite=True)
+    assert json.loads((empty / "config.json").read_text())["quantization"]["bits"] == 8
+    assert sorted(p.name for p in empty.iterdir()) == sorted(result.files)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("failure", ["mlx_disk_full", "enospc_in_side_files", "interrupted"])
+def test_a_failed_conversion_changes_nothing(sources, tmp_path, monkeypatch, failure):
+    """Out of disk or interrupted mid-write: the earlier output stays intact, a new one is never created,
+    no partial folder is left, and the error names the folder and says nothing was changed."""
+    import errno
+    import shutil
+
+    from models import convert as convert_module
+
+    old = tmp_path / "old"
+    convert(str(sources / "T1"), old, q_bits=4)
+    before = _tree(old)
+
+    if failure == "mlx_disk_full":
+        def save(path, *a, **k):
+            Path(path).write_bytes(b"\0" * 100)  # a shard cut short
+            raise RuntimeError("[write] Unable to write 334556 bytes to file.")
+
+        monkeypatch.setattr(convert_module.mx, "save_safetensors", save)
+        error, message = convert_module.ConversionWriteError, "no space left on device"
+    else:
+        real_copy = shutil.copyfile
+
+        def copyfile(src, dst, *a, **k):
+            if str(dst).endswith("generation_config.json"):
+                Path(dst).write_bytes(b"")  # the 0-byte file a full disk leaves
+                if failure == "interrupted":
+                    raise KeyboardInterrupt
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_copy(src, dst, *a, **k)
+
+        monkeypatch.setattr(convert_module.shutil, "copyfile", copyfile)
+        error, message = (KeyboardInterrupt, "") if failure == "interrupted" else (OSError, "no space left on device")
+
+    for out, kept in [(old, "still holds the earlier conversion"), (tmp_path / "new", "was not created")]:
+        if failure == "mlx_disk_full":
+            free = iter([1 << 40])  # room before writing, none once the write has failed
+            monkeypatch.setattr(convert_module, "_free_bytes", lambda target, free=free: next(free, 4096))
+        with pytest.raises(error) as info:
+            convert(str(sources / "T1"), out, q_bits=8, overwrite=True)
+        if failure != "interrupted":
+            text = str(info.value)
+            assert message in text and str(out) in text and "Nothing was changed" in text and kept in text
+        assert _tree(old) == before
+        assert not (tmp_path / "new").exists()
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_cli_interrupted_or_disk_full_says_so_on_one_line(sources, tmp_path, monkeypatch, capsys):
+    from models import convert as convert_module
+
+    def save(*a, **k):
+        raise RuntimeError("[write] Unable to write 334556 bytes to file.")
+
+    monkeypatch.setattr(convert_module.mx, "save_safetensors", save)
+    monkeypatch.setattr(convert_module, "_free_bytes", lambda target: 0)
+    assert main(["--model", str(sources / "T1"), "--out", str(tmp_path / "a" / "b" / "o"), "--q-bits", "4"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: convert: could not write") and "not enough free disk space" in err and err.count("\n") == 1
+    assert "Nothing was changed" in err and not (tmp_path / "a").exists()  # nor the parent folders it made
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert_module, "load_graph", interrupt)
+    assert main(["--model", str(sources / "T1"), "--out", str(tmp_path / "o"), "--q-bits", "4"]) == 130
+    assert "interrupted; nothing was changed" in capsys.readouterr().err
+
+
+def test_cli_errors_are_one_line_without_traceback(sources, tmp_path, monkeypatch, capsys):
+    from models import convert as convert_module
+
+    def cases():
+        yield ["--model", str(tmp_path / "missing"), "--out", str(tmp_path / "o")], "does not exist"
+        yield ["--model", str(sources / "T1"), "--out", str(tmp_path / "o"), "--max-shard-size", "lots"], "shard size 'lots'"
+        monkeypatch.setattr(convert_module, "load_graph", lambda *a, **k: {}["graph"])
+        yield ["--model", str(sources / "T1"), "--out", str(tmp_path / "o")], "KeyError: 'graph'"
+
+    for argv, message in cases():
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "o").exists()
+    with pytest.raises(KeyError):
+        main(["--model", str(sources / "T1"), "--out", str(tmp_path / "o"), "--traceback"])
+
+
+def test_stale_partial_folders_are_removed(sources, tmp_path):
+    out = tmp_path / "out"
+    stale, live = tmp_path / f".out.partial-{_dead_pid()}", tmp_path / f".out.partial-{os.getppid()}"
+    for folder in (stale, live):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+    convert(str(sources / "T1"), out, q_bits=4)
+    assert not stale.exists() and live.exists()  # another process may still be writing the live one
+    # killed between moving an earlier output aside and renaming the new one in: the earlier one comes back
+    out.rename(out.parent / f".again.old-{_dead_pid()}")
+    with pytest.raises(FileExistsError, match="again exists and is not empty"):
+        convert(str(sources / "T1"), out.parent / "again", q_bits=4)
+    assert (out.parent / "again" / "README.md").is_file()
+
+
+def test_side_files_linking_out_of_the_source_are_refused(sources, tmp_path):
+    secret = tmp_path / "passwd"
+    secret.write_text("root:x:0:0:SECRET")
+    src = _source_copy(sources, tmp_path / "src")
+    (src / "tokenizer.json").unlink()
+    (src / "tokenizer.json").symlink_to(secret)
+    with pytest.raises(ValueError, match=r"tokenizer\.json resolves to .*passwd") as info:
+        convert(str(src), tmp_path / "out", q_bits=4)
+    assert "SECRET" not in str(info.value) and not (tmp_path / "out").exists()
+    (src / "tokenizer.json").unlink()
+    (src / "LICENSE").symlink_to(secret)
+    with pytest.raises(ValueError, match="LICENSE resolves to"):
+        convert(str(src), tmp_path / "out", q_bits=4)
+    (src / "LICENSE").unlink()
+    (src / "LICENSE").symlink_to("NOTICE.md")  # a link inside the folder is fine
+    convert(str(src), tmp_path / "out", q_bits=4)
+    assert (tmp_path / "out" / "LICENSE").read_bytes() == (src / "NOTICE.md").read_bytes()

@@ -342,3 +342,50 @@ def test_tokenizer_errors_name_the_key(change, message):
     metadata.update(change)
     with pytest.raises(ValueError, match=message):
         gemma_tokenizer_from_gguf({k: v for k, v in metadata.items() if v is not None})
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("whole") / "tiny.gguf"
+    _write_gguf(path)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("keep", [4, 24, 200, 1000, 0.5, -100, -1])
+def test_truncated_file_is_named_as_truncated(tmp_path, tiny_gguf, keep):
+    """A GGUF cut anywhere (header, metadata, tensor infos, data) is a GGUFFileError naming the file, not an IndexError."""
+    from weights.gguf_import import GGUFFileError
+
+    cut = int(len(tiny_gguf) * keep) if isinstance(keep, float) else keep
+    (tmp_path / "cut.gguf").write_bytes(tiny_gguf[:cut])
+    with pytest.raises(GGUFFileError, match=r"cut\.gguf is truncated"):
+        read_gguf(tmp_path / "cut.gguf")
+    with pytest.raises(ValueError, match=r"cut\.gguf is truncated"):
+        convert_gguf(tmp_path / "cut.gguf", tmp_path / "hub", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf"]
+
+
+def test_not_a_gguf_file_is_named(tmp_path):
+    from weights.gguf_import import GGUFFileError
+
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    (tmp_path / "text.gguf").write_text("hello, not a model")
+    with pytest.raises(GGUFFileError, match=r"empty\.gguf is not a GGUF file \(is empty"):
+        read_gguf(tmp_path / "empty.gguf")
+    with pytest.raises(GGUFFileError, match=r"text\.gguf is not a GGUF file"):
+        read_gguf(tmp_path / "text.gguf")
+
+
+def test_stale_staging_is_removed_and_extra_files_are_staged(tmp_path, tiny_gguf):
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    stale = tmp_path / f".hub.partial-{child.pid}"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
+    (tmp_path / "t.gguf").write_bytes(tiny_gguf)
+    (tmp_path / "NOTICE.md").write_text("notice")
+    out = convert_gguf(tmp_path / "t.gguf", tmp_path / "hub", progress=False, extra_files={"NOTICE.md": tmp_path / "NOTICE.md"})
+    assert not stale.exists() and (out / "NOTICE.md").read_text() == "notice"

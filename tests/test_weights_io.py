@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 import time
 
@@ -233,3 +234,95 @@ def test_corrupt_index_is_named(tmp_path):
     (folder / "model.safetensors.index.json").write_text("{]")
     with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json is not valid JSON"):
         load_safetensors(folder)
+
+
+# ----------------------------------------------------------------------------- files stay inside the folder
+
+SECRET = "root:x:0:0:SECRET-CONTENT:/root:/bin/bash\n" * 20
+
+
+def _secret(tmp_path):
+    path = tmp_path / "elsewhere" / "passwd"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(SECRET)
+    return path
+
+
+def _index_entry(folder, weight_map, key, name):
+    weight_map = dict(weight_map, **{key: name})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _assert_no_content(message):
+    assert "SECRET" not in message and "root:x" not in message
+    assert str(struct.unpack("<Q", SECRET.encode()[:8])[0]) not in message  # the first bytes read as a header length
+
+
+def test_index_entries_outside_the_folder_are_refused_by_name(tmp_path):
+    from weights.resolve import OutsideFolderError
+
+    folder, weight_map = make_sharded(tmp_path / "ckpt")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    save_file({"layers.1.q": TENSORS["layers.1.q"]}, str(outside / "x.safetensors"))  # a valid file: must not load
+    secret = _secret(tmp_path)
+    for name, why in [
+        ("../outside/x.safetensors", r"leaves the folder"),
+        (str(outside / "x.safetensors"), r"is an absolute path"),
+        (str(secret), r"is not a \.safetensors file"),
+    ]:
+        _index_entry(folder, weight_map, "layers.1.q", name)
+        with pytest.raises(ValueError, match=rf"weight_map entry '{re.escape(name)}'.*{why}") as info:
+            load_safetensors(folder)
+        _assert_no_content(str(info.value))
+    (folder / "link.safetensors").symlink_to(outside / "x.safetensors")
+    _index_entry(folder, weight_map, "layers.1.q", "link.safetensors")
+    with pytest.raises(OutsideFolderError, match=r"'link\.safetensors' resolves to .*outside.*x\.safetensors"):
+        load_safetensors(folder)
+
+
+def test_symlinks_out_of_the_folder_are_not_followed(tmp_path):
+    from weights.resolve import OutsideFolderError
+
+    secret = _secret(tmp_path)
+    folder = make_single(tmp_path / "ckpt")
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors").symlink_to(secret)
+    with pytest.raises(OutsideFolderError, match=r"model\.safetensors resolves to .*passwd") as info:
+        load_safetensors(folder)
+    _assert_no_content(str(info.value))
+    (folder / "config.json").unlink()
+    (folder / "config.json").symlink_to(secret)
+    with pytest.raises(OutsideFolderError, match=r"config\.json resolves to") as info:
+        read_config(folder)
+    _assert_no_content(str(info.value))
+
+
+def test_errors_on_a_file_that_is_not_safetensors_quote_none_of_it(tmp_path):
+    from weights import check_safetensors_file
+
+    text = tmp_path / "passwd.safetensors"
+    text.write_text(SECRET)
+    with pytest.raises(CheckpointError, match="is not a safetensors file") as info:
+        check_safetensors_file(text)
+    _assert_no_content(str(info.value))
+    # a plausible header length followed by text, binary, or a JSON object with bad entries
+    for body in [SECRET.encode(), b"\xff\xfeSECRET" * 4, json.dumps({"SECRET-CONTENT": {"root:x": 1}}).encode()]:
+        text.write_bytes(struct.pack("<Q", len(body)) + body)
+        with pytest.raises(CheckpointError) as info:
+            check_safetensors_file(text)
+        assert "root:x" not in str(info.value) and "\\xff" not in str(info.value)
+
+
+def test_hub_cache_symlinks_into_blobs_are_followed(tmp_path):
+    """A Hub snapshot's files are symlinks into the repo's blobs/ folder: those are the model's own files."""
+    source = make_single(tmp_path / "made")
+    repo = tmp_path / "models--org--tiny"
+    snapshot = repo / "snapshots" / "0123abcd"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        (source / name).rename(repo / "blobs" / f"sha-{name}")
+        (snapshot / name).symlink_to(f"../../blobs/sha-{name}")
+    assert read_config(snapshot) == {"model_type": "tiny"}
+    assert_same(load_safetensors(snapshot)[0])

@@ -11,6 +11,9 @@ Weights are written in float32 by default: the dequantized values are exactly wh
 computes with, and bf16 would round them once more (about 0.4 % relative, up to 0.5 in the 270M's
 logits) on top of the quantization, for half the disk. float32 is also the fast path of MLX on CPU.
 ``dtype="bfloat16"`` is there for memory-bound machines.
+
+A file gguf-py cannot parse (cut short by an interrupted copy, damaged, or not GGUF at all) raises
+``GGUFFileError`` naming it, instead of the reader's raw ``IndexError`` / ``ValueError``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -29,21 +33,50 @@ from tqdm.auto import tqdm
 
 from . import gguf_gemma3
 from .gguf_tokenizer import gemma_tokenizer_from_gguf
+from .resolve import remove_stale_staging, staging_name
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 WEIGHTS_FILE = "model.safetensors"
+GGUF_MAGIC = b"GGUF"
+
+
+class GGUFFileError(ValueError):
+    """A GGUF file that cannot be read: truncated, damaged, or not a GGUF file."""
 
 
 def read_gguf(path: str | os.PathLike) -> tuple[GGUFReader, dict[str, Any]]:
-    """The reader (for tensors) and the metadata as ``{key: value}`` (arrays as lists) of a GGUF file."""
+    """The reader (for tensors) and the metadata as ``{key: value}`` (arrays as lists) of a GGUF file.
+
+    Raises ``GGUFFileError`` naming the file when it is not GGUF, or is cut short or damaged
+    (gguf-py itself fails on those with a bare ``IndexError`` or ``ValueError``), including a
+    file whose last tensor ends past the end of the file.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        magic = f.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        what = "is empty" if size == 0 else "does not start with the GGUF magic bytes"
+        raise GGUFFileError(f"{path} is not a GGUF file ({what}; {size} bytes).")
+    damaged = f"{path} is truncated or damaged ({size} bytes): gguf-py cannot read it"
     try:
         reader = GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
-    return reader, {key: field.contents() for key, field in reader.fields.items()}
+        metadata = {key: field.contents() for key, field in reader.fields.items()}
+    except OSError:
+        raise
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError, struct.error) as e:
+        detail = str(e) if len(str(e)) <= 100 else str(e)[:100] + "..."
+        raise GGUFFileError(f"{damaged} ({type(e).__name__}: {detail}). Copy or download the file again.") from None
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size or tensor.data.nbytes != int(tensor.n_bytes):
+            raise GGUFFileError(
+                f"{path} is truncated: tensor {tensor.name!r} ends at byte {end} but the file has {size} bytes. "
+                "Copy or download the file again."
+            )
+    return reader, metadata
 
 
 def dequantize_tensor(tensor) -> np.ndarray:
@@ -65,11 +98,14 @@ def convert_gguf(
     chat_template: str | None = None,
     dtype: str = "float32",
     progress: bool = True,
+    extra_files: dict[str, str | os.PathLike] | None = None,
 ) -> Path:
     """Write the Hub-style folder for ``gguf_path`` into ``out_dir`` (which must not exist yet).
 
-    ``chat_template`` is attached when the file carries none. The folder appears complete or not
-    at all: it is assembled next to ``out_dir`` and renamed into place at the end.
+    ``chat_template`` is attached when the file carries none; ``extra_files`` (``{name: source
+    path}``, e.g. licence notices) are copied in too. The folder appears complete or not at all: it
+    is assembled next to ``out_dir`` and renamed into place at the end (staging folders that a
+    killed earlier run left there are removed first).
     """
     if dtype not in DTYPES:
         raise ValueError(f"GGUF import: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -81,7 +117,8 @@ def convert_gguf(
     if architecture != gguf_gemma3.ARCHITECTURE:
         raise ValueError(f"GGUF import: {gguf_path} holds architecture {architecture!r}; only 'gemma3' is supported")
 
-    staging = out_dir.with_name(f".{out_dir.name}.partial-{os.getpid()}")
+    remove_stale_staging(out_dir)
+    staging = staging_name(out_dir)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
@@ -97,6 +134,8 @@ def convert_gguf(
         _write_json(staging / "config.json", config)
         _write_json(staging / "generation_config.json", gguf_gemma3.generation_config(metadata))
         gemma_tokenizer_from_gguf(metadata, chat_template).save_pretrained(staging)
+        for name, source in (extra_files or {}).items():
+            shutil.copyfile(source, staging / name)
         staging.rename(out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

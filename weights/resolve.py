@@ -3,12 +3,21 @@
 A checkpoint folder is one with a ``config.json``; everything else (weights, tokenizer, chat
 template) is read from it by the other modules. The Hub is only one way to fill that folder, so a
 failed download must tell the user how to skip it: pass a local folder instead.
+
+Files a folder names (its config, an index's shard names, side files) are read only from inside
+it: :func:`folder_file` refuses absolute names, ``..`` and symlinks that resolve elsewhere, so a
+crafted checkpoint cannot make us read (or copy, or quote) ``/etc/passwd``. The one exception is
+the Hugging Face cache, whose snapshot folders hold symlinks into the repo's ``blobs/`` folder.
+Writers assemble a folder under a staging name beside its target and rename it into place;
+:func:`remove_stale_staging` removes what a killed writer left behind.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 from typing import Iterable
 
@@ -30,6 +39,89 @@ DEFAULT_ALLOW_PATTERNS = ("*.json", "*.safetensors", "tokenizer.model", "*.jinja
 
 class ModelNotAvailableError(OSError):
     """A Hub repo id could not be turned into a local folder (offline and not cached, or no such repo)."""
+
+
+class OutsideFolderError(ValueError):
+    """A file a checkpoint folder names (config, index entry, side file) lies outside the folder."""
+
+
+def folder_file(folder: str | os.PathLike, name: str, what: str | None = None) -> Path:
+    """``folder / name``, checked to stay inside ``folder`` once symlinks are resolved.
+
+    Refuses (``OutsideFolderError``, naming ``what``, default the path) an absolute ``name``, one
+    with a ``..`` part, and a path whose resolved target lies outside the resolved folder, except a
+    Hugging Face cache blob (``models--*/blobs/*``: Hub snapshots and older ``--local-dir``
+    downloads link there). The file need not exist; the returned path is the unresolved one.
+    """
+    folder = Path(folder)
+    what = what or str(folder / name)
+    if not isinstance(name, str) or not name:
+        raise OutsideFolderError(f"{what}: a file name must be a non-empty string, got {name!r}.")
+    if Path(name).anchor:
+        why = "is an absolute path"
+    elif ".." in Path(name).parts:
+        why = "leaves the folder ('..')"
+    else:
+        path = folder / name
+        resolved, root = path.resolve(), folder.resolve()
+        if resolved == root or root in resolved.parents or _hub_blob(resolved):
+            return path
+        why = f"resolves to {resolved} (a symlink out of the folder)"
+    raise OutsideFolderError(
+        f"{what} {why}; refusing to read it: a checkpoint's files must lie inside its folder {folder}."
+    )
+
+
+def _hub_blob(path: Path) -> bool:
+    return path.parent.name == "blobs" and path.parent.parent.name.startswith("models--")
+
+
+def staging_name(target: Path, kind: str = "partial", pid: int | None = None) -> Path:
+    """``<parent>/.<name>.<kind>-<pid>``: where a writer assembles ``target`` before renaming it into place."""
+    return target.with_name(f".{target.name}.{kind}-{os.getpid() if pid is None else pid}")
+
+
+def remove_stale_staging(target: str | os.PathLike, kinds: tuple[str, ...] = ("partial", "old", "damaged")) -> list[Path]:
+    """Clear the ``.<name>.<kind>-<pid>`` folders beside ``target`` whose writer is no longer running.
+
+    A writer killed outright (no ``finally`` runs) leaves its staging folder behind: ``partial``
+    (the new folder being written) and ``damaged`` (a broken one being deleted) are removed; ``old``
+    (the previous folder, moved aside while the new one is renamed in) is removed too, or put back
+    when ``target`` itself is missing. A live writer's folders are left alone. Returns the folders
+    removed or put back.
+    """
+    target = Path(target)
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.({'|'.join(map(re.escape, kinds))})-(\d+)")
+    cleared = []
+    try:
+        entries = sorted(target.parent.iterdir())
+    except OSError:
+        return cleared
+    for entry in entries:
+        m = pattern.fullmatch(entry.name)
+        if m is None or _pid_alive(int(m.group(2))) or entry.is_symlink() or not entry.is_dir():
+            continue
+        if m.group(1) == "old" and not target.exists() and not target.is_symlink():
+            try:
+                os.rename(entry, target)
+            except OSError:
+                continue
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+        cleared.append(entry)
+    return cleared
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, OSError):
+        return True  # someone else's process, or cannot tell: leave its folder alone
+    return True
 
 
 def resolve_model_path(
@@ -54,8 +146,11 @@ def resolve_model_path(
 
 
 def read_config(folder: str | os.PathLike) -> dict:
-    """The checkpoint's ``config.json`` as a dict, with errors that name the file."""
-    file = Path(folder) / "config.json"
+    """The checkpoint's ``config.json`` as a dict, with errors that name the file.
+
+    A ``config.json`` that is a symlink out of the folder is refused (see :func:`folder_file`).
+    """
+    file = folder_file(folder, "config.json")
     try:
         text = file.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -64,6 +159,8 @@ def read_config(folder: str | os.PathLike) -> dict:
         config = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{file} is not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{file} is not UTF-8 text (byte {e.start}).") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file} must hold a JSON object, found {type(config).__name__}.")
     return config

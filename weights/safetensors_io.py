@@ -5,6 +5,11 @@
 truncated download or a corrupt header becomes an error naming the file. Sharded checkpoints are
 checked against their index, so a missing shard or a key the index promises but no shard holds is
 reported by name instead of surfacing later as a missing weight.
+
+Every file is read from inside the checkpoint folder (``weights.resolve.folder_file``): an index
+entry that is absolute, has ``..`` or names a symlink out of the folder is refused by name, and an
+entry must name a ``.safetensors`` file. Errors about a file that is not a safetensors file never
+quote its bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import struct
 from pathlib import Path
 
 import mlx.core as mx
+
+from .resolve import folder_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -49,12 +56,16 @@ def load_safetensors(
     """
     target = parse_dtype(dtype)
     folder = Path(folder)
+    index = folder / INDEX_FILE
     if (folder / SINGLE_FILE).is_file():
-        files = [SINGLE_FILE]
+        files = {SINGLE_FILE: folder_file(folder, SINGLE_FILE)}
         expected: dict[str, str] = {}
-    elif (folder / INDEX_FILE).is_file():
-        expected = _read_index(folder / INDEX_FILE)
-        files = sorted(set(expected.values()))
+    elif index.is_file():
+        expected = _read_index(folder_file(folder, INDEX_FILE))
+        files = {
+            name: folder_file(folder, name, f"{index}: weight_map entry {name!r}")
+            for name in sorted(set(expected.values()))
+        }
     else:
         present = sorted(p.name for p in folder.glob("*.safetensors")) if folder.is_dir() else []
         raise FileNotFoundError(
@@ -64,8 +75,7 @@ def load_safetensors(
 
     weights: dict[str, mx.array] = {}
     sources: dict[str, str] = {}
-    for name in files:
-        path = folder / name
+    for name, path in files.items():
         if not path.is_file():
             raise FileNotFoundError(f"Shard {name} listed in {folder / INDEX_FILE} does not exist.")
         check_safetensors_file(path)
@@ -91,7 +101,8 @@ def check_safetensors_file(path: str | os.PathLike) -> list[str]:
 
     Catches what a partial download or a damaged file looks like: a header length that does not fit,
     a header that is not JSON, a tensor whose byte range does not match its shape and dtype, and
-    data that ends before the header says it does.
+    data that ends before the header says it does. Until the header has parsed as a safetensors
+    header, errors give only sizes and positions, never the file's bytes (it may be any file).
     """
     path = Path(path)
     size = path.stat().st_size
@@ -99,7 +110,11 @@ def check_safetensors_file(path: str | os.PathLike) -> list[str]:
         if size < 8:
             raise CheckpointError(f"{path} is {size} bytes, too short to be a safetensors file.")
         (header_len,) = struct.unpack("<Q", f.read(8))
-        if header_len > _MAX_HEADER_BYTES or 8 + header_len > size:
+        if header_len > _MAX_HEADER_BYTES:
+            raise CheckpointError(
+                f"{path} is not a safetensors file (its first 8 bytes are not a header length; the file has {size} bytes)."
+            )
+        if 8 + header_len > size:
             raise CheckpointError(
                 f"{path} is truncated or not a safetensors file: its header claims {header_len} bytes "
                 f"but the file has {size}."
@@ -107,8 +122,14 @@ def check_safetensors_file(path: str | os.PathLike) -> list[str]:
         raw = f.read(header_len)
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} has a corrupt header (not valid JSON: {e}).") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(
+            f"{path} has a corrupt header or is not a safetensors file (not UTF-8 text at byte {8 + e.start})."
+        ) from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{path} has a corrupt header or is not a safetensors file (not valid JSON: {e.msg} at byte {8 + e.pos})."
+        ) from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path} has a corrupt header (a JSON {type(header).__name__}, not an object).")
 
@@ -117,20 +138,28 @@ def check_safetensors_file(path: str | os.PathLike) -> list[str]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        label = name if len(name) <= 200 else name[:200] + "..."
         try:
             start, end = (int(x) for x in info["data_offsets"])
             shape, dtype = info["shape"], info["dtype"]
+            if not isinstance(dtype, str) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise TypeError
             nbytes = math.prod(shape) * _ITEM_BYTES[dtype] if dtype in _ITEM_BYTES else end - start
         except (TypeError, KeyError, ValueError):
-            raise CheckpointError(f"{path} has a corrupt header entry for tensor {name!r}: {info!r}.") from None
+            raise CheckpointError(
+                f"{path} has a corrupt header entry for tensor {label!r} (it needs 'dtype', 'shape' and "
+                "two 'data_offsets')."
+            ) from None
+        if dtype not in _ITEM_BYTES:
+            dtype = "unknown dtype"
         if end - start != nbytes:
             raise CheckpointError(
-                f"{path}: tensor {name!r} ({dtype}, shape {shape}) should take {nbytes} bytes "
+                f"{path}: tensor {label!r} ({dtype}, shape {shape}) should take {nbytes} bytes "
                 f"but its offsets span {end - start}."
             )
         if end > data_bytes:
             raise CheckpointError(
-                f"{path} is truncated: tensor {name!r} ends at data byte {end} but the file holds only "
+                f"{path} is truncated: tensor {label!r} ends at data byte {end} but the file holds only "
                 f"{data_bytes} bytes of data (incomplete download?)."
             )
         names.append(name)
@@ -156,4 +185,7 @@ def _read_index(index: Path) -> dict[str, str]:
         raise CheckpointError(f"{index} has no 'weight_map' object.") from None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names.")
+    for key, name in weight_map.items():
+        if not name.endswith(".safetensors"):
+            raise CheckpointError(f"{index}: weight_map entry {name!r} (tensor {key!r}) is not a .safetensors file.")
     return weight_map

