@@ -1,0 +1,372 @@
+"""Speculative decoding: a drafter proposes k tokens, the target verifies them in one ``window`` read.
+
+Two kinds of drafter run through the same loop:
+
+- ``AssistantDrafter``: a Gemma 4 assistant (``gemma4_assistant``, multi-token prediction). It owns
+  no cache: every draft step is a ``draft`` read on the target's caches, from the target's last
+  hidden state and the last token's embedding, all queries at the target's next position.
+- ``ModelDrafter``: classic speculation with any zoo model sharing the target's tokenizer; it keeps
+  its own cache, aligned with the target's positions and rolled back with it.
+
+Each round: the pending token ``y`` (sampled, not yet fed) and k drafts go through the target as
+one block; the longest agreeing prefix is kept (greedy), or each draft is accepted with
+probability ``min(1, p/q)`` and the first rejection resamples from ``max(0, p - q)`` (sampling:
+the target's distribution is kept exactly); the target's token after the last accepted one becomes
+the next ``y``. The rejected positions are trimmed off every cache (sliding, KV-shared, quantized:
+``cache.trim`` is exact after wraps). As in ``generate_tokens``, every yielded token has been fed
+to the target's cache and a stop token never is. Batch size 1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from cache import cache_offset, cpu_math, trim_cache
+from graphs.gemma4_assistant import Gemma4AssistantModel
+from graphs.gemma4_assistant_config import DrafterMismatchError
+
+from models.generation.generate import (
+    DEFAULT_PREFILL_STEP, GenerationOptionError, GenerationStats, KVQuantization, SamplingOptions, check_positive_int,
+    prefill,
+)  # fmt: skip
+from models.generation.prompts import ImageSpan
+
+MAX_DRAFT_TOKENS = 16  # a rollback of k positions must fit a sliding cache's slack (16 by default)
+
+
+@dataclass
+class SpeculationCounts:
+    """What the drafter did: ``drafted`` tokens proposed, ``accepted`` by the target, over
+    ``target_steps`` verify forwards (each yields ``accepted / target_steps + 1`` tokens on average)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    target_steps: int = 0
+    emitted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.emitted / self.target_steps if self.target_steps else 0.0
+
+
+# ---------------------------------------------------------------------------------------- distributions
+def distribution(logits: mx.array, options: SamplingOptions) -> mx.array:
+    """The probabilities ``[..., V]`` mlx-lm's sampler draws from for ``options`` (temp > 0): its
+    filters (top-p, min-p, top-k, in its order) on the log-probabilities, then ``softmax(x / temp)``."""
+    logprobs = cpu_math.log_softmax(logits.astype(mx.float32))
+    if 0 < options.top_p < 1.0:
+        logprobs = apply_top_p(logprobs, options.top_p)
+    if options.min_p != 0.0:
+        logprobs = apply_min_p(logprobs, options.min_p)
+    if options.top_k > 0:
+        logprobs = apply_top_k(logprobs, options.top_k)
+    return mx.softmax(logprobs * (1.0 / options.temp), axis=-1)
+
+
+def _sample(probs: mx.array) -> mx.array:
+    return mx.random.categorical(mx.log(probs))
+
+
+# ---------------------------------------------------------------------------------------- drafters
+class AssistantDrafter:
+    """A Gemma 4 assistant drafting for its Gemma 4 target, on the target's caches."""
+
+    needs_hidden = True
+
+    def __init__(self, assistant, target):
+        graph = getattr(assistant, "graph", assistant)
+        if not isinstance(graph, Gemma4AssistantModel):
+            raise DrafterMismatchError(f"AssistantDrafter: {type(graph).__name__} is not a gemma4_assistant")
+        self.donors = graph.pair(target.config)
+        self.graph = graph
+        target_graph = target.graph
+        self._embed = getattr(target_graph, "language_model", target_graph).embed  # the target's scaled embedding
+
+    def start(self, offset: int, prompt_ids: Sequence[int]) -> None:
+        """Nothing to prefill: the assistant reads the target's caches."""
+
+    def propose(self, y: mx.array, k: int, cache: list, hidden: mx.array, choose) -> tuple[list, list]:
+        """k draft tokens (lazy ``mx.array`` scalars) after ``y``, with their draft distributions."""
+        position = cache_offset(cache)
+        tokens, dists, last, h = [], [], y.reshape(1, 1), hidden
+        for _ in range(k):
+            logits, h = self.graph.step(self._embed(last), h, cache, position)
+            token, q = choose(logits[0, -1])
+            tokens.append(token)
+            dists.append(q)
+            last = token.reshape(1, 1)
+        return tokens, dists
+
+    def settle(self, kept: Sequence[int], offset: int) -> None:
+        """Nothing to align: the target's caches are trimmed by the loop."""
+
+    def rollback(self, offset: int) -> None:
+        """Nothing to roll back: the target's caches are trimmed by the loop."""
+
+
+class ModelDrafter:
+    """Classic speculation: a smaller zoo model with the target's tokenizer, with its own cache.
+
+    Its cache follows the target's: every token the target keeps is fed to it (the ones it lacks
+    wait in ``pending`` and go in with the next ``y``), and rejected drafts are trimmed off it.
+    When the target's cache holds history the drafter never saw (a chat started without it), the
+    drafter restarts from the new prompt, which only costs acceptance, never exactness.
+    """
+
+    needs_hidden = False
+
+    def __init__(self, draft, target, prefill_step: int = DEFAULT_PREFILL_STEP):
+        if isinstance(getattr(draft, "graph", None), Gemma4AssistantModel):
+            raise DrafterMismatchError("ModelDrafter: a gemma4_assistant drafts through AssistantDrafter")
+        if not hasattr(draft, "make_cache") or not hasattr(draft, "graph"):
+            raise DrafterMismatchError(f"ModelDrafter: {type(draft).__name__} is not a loaded zoo model")
+        if draft.vocab_size != target.vocab_size:
+            raise DrafterMismatchError(
+                f"the draft model's vocabulary ({draft.vocab_size} ids) differs from the target's ({target.vocab_size}): "
+                "a drafter must share the target's tokenizer"
+            )
+        check_same_tokenizer(draft, target)
+        self.model, self.prefill_step = draft, prefill_step
+        self.cache = draft.make_cache()
+        self.shift = 0  # target position of this cache's position 0
+        self.pending: list[int] = []  # tokens the target holds and this cache does not yet
+
+    @property
+    def position(self) -> int:
+        """The target position this cache has been fed up to."""
+        return self.shift + cache_offset(self.cache)
+
+    def start(self, offset: int, prompt_ids: Sequence[int]) -> None:
+        if self.position + len(self.pending) != offset:
+            self.cache, self.shift, self.pending = self.model.make_cache(), offset, []
+        ids = self.pending + list(prompt_ids)
+        self.pending = []
+        for begin in range(0, len(ids), self.prefill_step):
+            mx.eval(self.model.graph(mx.array([ids[begin : begin + self.prefill_step]]), cache=self.cache, last_only=True))
+
+    def propose(self, y: mx.array, k: int, cache: list, hidden, choose) -> tuple[list, list]:
+        block = mx.concatenate([mx.array(self.pending, dtype=y.dtype), y.reshape(1)]).reshape(1, -1)
+        self.pending = []
+        logits = self.model.graph(block, cache=self.cache, last_only=True)
+        tokens, dists = [], []
+        for i in range(k):
+            token, q = choose(logits[0, -1])
+            tokens.append(token)
+            dists.append(q)
+            if i < k - 1:
+                logits = self.model.graph(token.reshape(1, 1), cache=self.cache, last_only=True)
+        return tokens, dists
+
+    def settle(self, kept: Sequence[int], offset: int) -> None:
+        """The target now holds ``offset`` positions, the newest being ``kept``: drop this cache's
+        positions past it, or remember the kept tokens it lacks."""
+        excess = self.position - offset
+        if excess > 0:
+            if not trim_cache(self.cache, excess):
+                raise RuntimeError("ModelDrafter: the draft cache cannot drop its rejected positions")
+            self.pending = []
+        else:  # the last -excess kept tokens (with what was pending, when no proposal consumed it)
+            combined = self.pending + list(kept)
+            self.pending = combined[len(combined) + excess :] if excess else []
+
+    def rollback(self, offset: int) -> None:
+        """The target dropped its newest positions down to ``offset`` (a stop token): follow it."""
+        if self.position > offset:
+            self.settle((), offset)
+        else:
+            del self.pending[offset - self.position :]
+
+
+def check_same_tokenizer(draft, target) -> None:
+    """Refuse a drafter whose tokenizer maps text to other ids (when both models have one)."""
+    a, b = getattr(draft, "tokenizer", None), getattr(target, "tokenizer", None)
+    if a is None or b is None:
+        return
+    probe = "Speculative decoding checks: 123 héllo <b>\n\tdone."
+    if list(a.encode(probe)) != list(b.encode(probe)):
+        raise DrafterMismatchError("the draft model's tokenizer encodes text to other ids than the target's")
+
+
+def make_drafter(draft, target):
+    """The drafter for a loaded ``draft`` model: an ``AssistantDrafter`` for a gemma4_assistant, else a ``ModelDrafter``."""
+    if hasattr(draft, "propose"):  # already a drafter (start / propose / settle / rollback)
+        return draft
+    if isinstance(getattr(draft, "graph", draft), Gemma4AssistantModel):
+        return AssistantDrafter(draft, target)
+    return ModelDrafter(draft, target)
+
+
+# ---------------------------------------------------------------------------------------- the loop
+def speculative_tokens(
+    target,
+    drafter,
+    prompt_ids: Sequence[int],
+    cache: list,
+    *,
+    num_draft_tokens: int = 4,
+    sampling: SamplingOptions | None = None,
+    max_tokens: int = 256,
+    stop_ids: Iterable[int] = (),
+    prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    should_stop: Callable[[], bool] = lambda: False,
+    stats: GenerationStats | None = None,
+    images: Sequence[ImageSpan] = (),
+    kv_quantization: KVQuantization | None = None,
+    max_context: int | None = None,
+) -> Iterator[int]:
+    """Yield generated ids as ``generate_tokens`` does, drafting ``num_draft_tokens`` per target step.
+
+    ``target`` is a loaded ``Model`` (its graph is called directly); ``drafter`` an
+    ``AssistantDrafter`` or ``ModelDrafter``. ``stats.speculation`` (a ``SpeculationCounts``) is
+    filled in. Greedy output equals ``generate_tokens``' token for token (up to float ties between
+    the window and decode kernels); sampled output has the target's distribution.
+    """
+    options = sampling or SamplingOptions()
+    options.check()
+    if options.seed is not None:
+        mx.random.seed(options.seed)
+    k_max = check_positive_int("num_draft_tokens", num_draft_tokens)
+    if k_max > MAX_DRAFT_TOKENS:
+        raise GenerationOptionError("num_draft_tokens", num_draft_tokens, f"must be at most {MAX_DRAFT_TOKENS}")
+    max_tokens = check_positive_int("max_tokens", max_tokens)
+    stop_ids = set(stop_ids)
+    stats = stats if stats is not None else GenerationStats()
+    counts = SpeculationCounts()
+    stats.speculation = counts
+    greedy = options.temp == 0
+    graph = target.graph
+    needs_hidden = drafter.needs_hidden
+    offset = cache_offset(cache)
+    if max_context is not None and offset + len(prompt_ids) > max_context:
+        raise ValueError(
+            f"the prompt does not fit the context: {offset} cached + {len(prompt_ids)} new positions > "
+            f"max_position_embeddings {max_context}"
+        )
+
+    def choose(logits: mx.array):
+        """A token from logits ``[V]`` and the distribution it was drawn from (None when greedy)."""
+        if greedy:
+            return mx.argmax(logits, axis=-1), None
+        probs = distribution(logits, options)
+        return _sample(probs), probs
+
+    captured = {}
+
+    def forward(ids, cache_, last_only=False, **extra):
+        if not needs_hidden:
+            return graph(ids, cache=cache_, last_only=last_only, **extra)
+        logits, hidden = graph(ids, cache=cache_, last_only=last_only, with_hidden=True, **extra)
+        captured["hidden"] = hidden
+        return logits
+
+    start = time.perf_counter()
+    logits = prefill(forward, prompt_ids, cache, check_positive_int("prefill_step_size", prefill_step_size),
+                     images, kv_quantization, should_stop)  # fmt: skip
+    if logits is None:
+        stats.prompt_tokens = cache_offset(cache) - offset
+        stats.prompt_seconds = time.perf_counter() - start
+        stats.finish_reason = "interrupted"
+        return
+    y, _ = choose(logits)
+    hidden = captured.get("hidden")
+    hidden = None if hidden is None else hidden[:, -1:]
+    drafter.start(offset, prompt_ids)
+    mx.eval(y)
+    stats.prompt_tokens = len(prompt_ids)
+    stats.prompt_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    try:
+        while True:
+            token = int(y.item())
+            remaining = max_tokens - stats.generation_tokens
+            if remaining <= 0 or token in stop_ids or should_stop():
+                stats.finish_reason = "stop" if token in stop_ids else "length" if remaining <= 0 else "interrupted"
+                return
+            n = cache_offset(cache)
+            if max_context is not None and n >= max_context:
+                stats.finish_reason = "length"
+                return
+            if kv_quantization is not None:
+                kv_quantization.apply(cache)
+            # At most k drafts, within the token budget and the context.
+            k = min(k_max, remaining - 1, (max_context - n - 1) if max_context is not None else k_max)
+            drafts, dists = drafter.propose(y, k, cache, hidden, choose) if k > 0 else ([], [])
+            block = mx.concatenate([y.reshape(1), *[d.reshape(1) for d in drafts]]).reshape(1, -1)
+            out = forward(block, cache)
+            verify = out[0]  # [k + 1, V]
+            counts.target_steps += 1
+            counts.drafted += k
+            if greedy:
+                wanted = mx.argmax(verify, axis=-1)
+                mx.eval(wanted, *drafts)
+                wanted = np.array(wanted).tolist()
+                proposed = [int(d.item()) for d in drafts]
+                m = 0
+                while m < k and proposed[m] == wanted[m]:
+                    m += 1
+                next_y = mx.array(wanted[m])
+            else:
+                m, next_y, proposed = _accept_sampled(verify, drafts, dists, options)
+            counts.accepted += m
+            if k - m and not trim_cache(cache, k - m):
+                raise RuntimeError("speculative decoding: the target's caches cannot drop the rejected positions")
+            if needs_hidden:
+                hidden = captured["hidden"][:, m : m + 1]
+            emitted = [token] + proposed[:m]
+            drafter.settle(emitted, cache_offset(cache))
+            for i, t in enumerate(emitted):
+                if i and (t in stop_ids or should_stop()):
+                    # Keep exactly the yielded tokens in the caches: drop t and what follows it.
+                    drop = len(emitted) - i
+                    if not trim_cache(cache, drop):
+                        raise RuntimeError("speculative decoding: the target's caches cannot drop an unyielded stop token")
+                    drafter.rollback(cache_offset(cache))
+                    stats.finish_reason = "stop" if t in stop_ids else "interrupted"
+                    return
+                stats.generation_tokens += 1
+                counts.emitted += 1
+                stats.tokens.append(t)
+                yield t
+            y = next_y
+    finally:
+        stats.generation_seconds = time.perf_counter() - start
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+
+
+def _accept_sampled(verify: mx.array, drafts: list, dists: list, options: SamplingOptions):
+    """The rejection-sampling rule: accept draft i with probability ``min(1, p_i(d) / q_i(d))``; at
+    the first rejection draw from ``max(0, p_i - q_i)`` normalised; after k acceptances from ``p_k``.
+    Returns ``(accepted count, next token, draft ids)``."""
+    k = len(drafts)
+    p = distribution(verify, options)  # [k + 1, V]
+    if k:
+        d = mx.stack([x.reshape(()) for x in drafts])
+        q = mx.stack(dists)
+        p_d = mx.take_along_axis(p[:k], d[:, None], axis=-1)[:, 0]
+        q_d = mx.take_along_axis(q, d[:, None], axis=-1)[:, 0]
+        u = mx.random.uniform(shape=(k,))
+        accept = u * q_d < p_d  # u < p/q without dividing by a zero q
+        mx.eval(accept, d)
+        accept, proposed = np.array(accept).tolist(), np.array(d).tolist()
+    else:
+        accept, proposed = [], []
+    m = 0
+    while m < k and accept[m]:
+        m += 1
+    if m == k:
+        return m, _sample(p[k]), proposed
+    residual = mx.maximum(p[m] - q[m], 0.0)
+    total = residual.sum()
+    # A zero residual has probability zero (it needs p == q, where every draft is accepted); p then.
+    residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[m])
+    return m, _sample(residual), proposed
