@@ -2,8 +2,8 @@
 
 The slow tests fetch the llama-cpp-python sdist from PyPI once (77 MB, about 10-35 s) and build the
 tokenizer once (about 20 s); both are cached under ``.assets/`` (or ``$GEMMA_ZOO_ASSETS``), so later
-runs only load it. They skip when PyPI cannot be reached. The asset-cache tests at the end use a
-small fake sdist and need no network.
+runs only load it. They skip when PyPI cannot be reached. The asset-cache tests use a small fake
+sdist, the builder tests at the end a tiny "gemma4" vocabulary; they need no network.
 """
 
 from __future__ import annotations
@@ -230,3 +230,54 @@ def test_pip_failure_is_reported_with_its_output(tmp_path):
     """An invalid requirement makes pip fail before touching the network."""
     with pytest.raises(AssetFetchError, match=r"pip download.*failed \(exit"):
         assets._pip_download_sdist("fake-pkg", "not a version", tmp_path)
+
+
+# ----------------------------------------------------------------------------- the builder, offline
+
+TINY_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<|channel>", "<unused0>",
+               "\u2581", "a", "b", "ab", "\u2581ab", "<|image|>"]  # fmt: skip
+TINY_TYPES = [3, 3, 3, 3, 3, 3, 4, 1, 1, 1, 1, 1, 1, 3]
+
+
+def tiny_gemma4_metadata(**change) -> dict:
+    """A "gemma4" tokenizer in GGUF metadata form: a few pieces and their stored merges."""
+    metadata = {
+        "tokenizer.ggml.model": "gemma4",
+        "tokenizer.ggml.tokens": TINY_TOKENS,
+        "tokenizer.ggml.token_type": TINY_TYPES,
+        "tokenizer.ggml.merges": ["a b", "\u2581 ab"],
+        "tokenizer.ggml.add_bos_token": True,  # as the real file says; the builder adds none anyway
+        **{f"tokenizer.ggml.{key}_token_id": i for i, key in enumerate(["padding", "eos", "bos", "unknown", "mask"])},
+    }
+    metadata.update(change)
+    return metadata
+
+
+def test_gemma4_vocab_uses_the_stored_merges_and_the_added_token_rules():
+    from weights.gguf_tokenizer import gemma_tokenizer_from_gguf
+
+    tokenizer = gemma_tokenizer_from_gguf(tiny_gemma4_metadata(), extra_special_tokens={"image_token": "<|image|>"})
+    assert tokenizer("ab ab")["input_ids"] == [11, 12]  # merged by the stored list; no automatic <bos>
+    assert tokenizer("<|turn>ab<|channel><unused0><|image|>")["input_ids"] == [5, 11, 6, 7, 13]
+    assert tokenizer.image_token_id == 13 and tokenizer.mask_token_id == 4
+    special = {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    assert special == {"<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<|image|>"}
+    assert tokenizer.decode([5, 11, 6, 7], skip_special_tokens=True) == "ab<|channel><unused0>"
+    with pytest.raises(ValueError, match=r"lacks the named tokens \['<\|video\|>'\]"):
+        gemma_tokenizer_from_gguf(tiny_gemma4_metadata(), extra_special_tokens={"video_token": "<|video|>"})
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"tokenizer.ggml.merges": ["a b", "ab"]}, r"merges holds 'ab'"),
+        ({"tokenizer.ggml.merges": None}, "no tokenizer.ggml.merges"),
+        ({"tokenizer.ggml.token_type": TINY_TYPES[:-1]}, "must be equally many"),
+    ],
+)
+def test_gemma4_vocab_errors_name_the_key(change, message):
+    from weights.gguf_tokenizer import gemma_tokenizer_from_gguf
+
+    metadata = {k: v for k, v in tiny_gemma4_metadata(**change).items() if v is not None}
+    with pytest.raises(ValueError, match=message):
+        gemma_tokenizer_from_gguf(metadata, extra_special_tokens={"image_token": "<|image|>"})
