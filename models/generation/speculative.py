@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from cache import cache_offset, cpu_math, trim_cache
+from cache import cache_offset, cpu_math, owning_caches, trim_cache
 from graphs.gemma4_assistant import Gemma4AssistantModel
 from graphs.gemma4_assistant_config import DrafterMismatchError
 
@@ -147,6 +147,11 @@ class ModelDrafter:
         return self.shift + cache_offset(self.cache)
 
     def start(self, offset: int, prompt_ids: Sequence[int]) -> None:
+        """Before the target's prefill of ``prompt_ids`` at ``offset``: follow a target rolled back
+        to a shared prefix (a chat's next turn), or restart when this cache cannot."""
+        if self.position + len(self.pending) > offset:
+            if self.position <= offset or all(c.can_trim(self.position - offset) for c in owning_caches(self.cache)):
+                self.rollback(offset)
         if self.position + len(self.pending) != offset:
             self.cache, self.shift, self.pending = self.model.make_cache(), offset, []
         ids = self.pending + list(prompt_ids)
@@ -300,6 +305,10 @@ def speculative_tokens(
                 kv_quantization.apply(cache)
             # At most k drafts, within the token budget and the context.
             k = min(k_max, remaining - 1, (max_context - n - 1) if max_context is not None else k_max)
+            if kv_quantization is not None and kv_quantization.bits is not None and n < kv_quantization.start:
+                # Storage switches to quantized exactly where the plain loop switches it (at `start`),
+                # so that the positions before it were attended in full precision in both loops.
+                k = min(k, kv_quantization.start - n - 1)
             drafts, dists = drafter.propose(y, k, cache, hidden, choose) if k > 0 else ([], [])
             block = mx.concatenate([y.reshape(1), *[d.reshape(1) for d in drafts]]).reshape(1, -1)
             out = forward(block, cache)
