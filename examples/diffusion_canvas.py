@@ -29,7 +29,8 @@ from pathlib import Path
 from models.generation.diffusion import CommittedBlock, DenoiseStep, DiffusionResult, Finished
 import models
 from models.diffusion_model import DiffusionModel
-from models.generation.generate import KVQuantization
+from models.generation.generate import GenerationOptionError, KVQuantization
+from examples.chat import check_writable, flag_error
 from models.processing.image_processor import Gemma4ImageProcessor
 
 BRIGHT, DIM, BOLD, RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[1m", "\x1b[0m"
@@ -193,17 +194,29 @@ def summary(result: DiffusionResult) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
+        kv = KVQuantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
+    except GenerationOptionError as err:
+        print(f"error: {flag_error(err)}", file=sys.stderr)
+        return 2
+    problem = check_writable(args.html, "--html") if args.html else None  # before the generation, not after
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
         for path in args.image:  # a bad image is reported before the (long) model load
             Gemma4ImageProcessor().load_rgb(path)
         model = models.load(args.model, dtype=args.dtype or "auto")
         if not isinstance(model, DiffusionModel):
             raise ValueError(f"{args.model} is a {model.model_type} checkpoint, not DiffusionGemma; use python -m examples.chat")
+        try:
+            kv.check_model(model.config, str(model.path))
+        except GenerationOptionError as err:
+            raise ValueError(flag_error(err)) from None
         tokens = Tokens(model)
         prompt = model.prompt(tokens.prompt_ids(args.prompt, len(args.image), args.raw), args.image, args.max_soft_tokens)
         options = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps}
         options = {k: v for k, v in options.items() if v is not None}
         eos = model.options(**options).eos_token_id
-        kv = KVQuantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
         events = model.stream(prompt, seed=args.seed, kv_quantization=kv, **options)
         live = LiveView(tokens) if sys.stdout.isatty() and not args.no_live else None
         recording = Recording(tokens) if args.html else None
@@ -234,7 +247,11 @@ def main(argv=None) -> int:
     line = summary(result)
     print(f"[{line}]", file=sys.stderr)
     if recording:
-        recording.save(args.html, f"DiffusionGemma: {args.prompt}", line)
+        try:
+            recording.save(args.html, f"DiffusionGemma: {args.prompt}", line)
+        except OSError as err:  # checked at start; the folder may have gone since
+            print(f"error: --html {args.html}: cannot write there ({err.strerror or err})", file=sys.stderr)
+            return 2
         print(f"[saved the denoising to {args.html}]", file=sys.stderr)
     return 0
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from examples.chat import DEFAULT_MODEL, add_generation_args, answer, load_model, session_from_args
+from examples.chat import DEFAULT_MODEL, add_generation_args, answer, check_args, load_model, make_session
 from models.processing.image_processor import Gemma4ImageProcessor
 
 DEFAULT_PROMPT = "Describe this image."
@@ -34,6 +34,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         for path in args.image:  # a bad file is reported before the (long) model load
             Gemma4ImageProcessor().load_rgb(path)
@@ -51,7 +55,10 @@ def main(argv=None) -> int:
         prompt = sys.stdin.read()
     else:
         prompt = args.prompt or (DEFAULT_PROMPT if len(images) == 1 else DEFAULT_PROMPT_SEVERAL)
-    return 0 if answer(session_from_args(model, args), prompt, args.verbose, None, images=images) else 2
+    session = make_session(model, args)
+    if session is None:
+        return 2
+    return 0 if answer(session, prompt, args.verbose, None, images=images) else 2
 
 
 if __name__ == "__main__":

@@ -165,17 +165,22 @@ class Model:
         prefill_step_size: int = DEFAULT_PREFILL_STEP,
         should_stop=lambda: False,
         kv_quantization: KVQuantization | None = None,
+        stats: GenerationStats | None = None,
     ) -> Iterator[Chunk]:
         """Stream text as it is generated; no chunk ever splits a multi-byte character.
 
-        ``images`` go with one image placeholder each in ``prompt`` (see ``prompt()``).
+        ``images`` go with one image placeholder each in ``prompt`` (see ``prompt()``). Every chunk
+        carries the stats (``stats``, filled in, if given); after the last one
+        ``stats.finish_reason`` says why the answer ended (``"length"`` also when the context is full).
         """
         if not isinstance(prompt, Prompt):
             prompt = self.prompt(prompt, images, max_soft_tokens)
         elif images:
             raise ValueError("stream: a Prompt already carries its images; pass images only with text or ids")
+        if kv_quantization is not None:
+            kv_quantization.check_model(self.config, str(self.path))
         cache = self.make_cache() if cache is None else cache
-        stats = GenerationStats()
+        stats = GenerationStats() if stats is None else stats
         detokenizer = self.tokenizer.detokenizer
         detokenizer.reset()
         for token in generate_tokens(
@@ -190,6 +195,7 @@ class Model:
             stats=stats,
             images=prompt.images,
             kv_quantization=kv_quantization,
+            max_context=self.max_context,
         ):
             detokenizer.add_token(token)
             yield Chunk(detokenizer.last_segment, token, stats)
@@ -197,4 +203,5 @@ class Model:
         yield Chunk(detokenizer.last_segment, None, stats)
 
     def generate(self, prompt: str | Sequence[int] | Prompt, **options) -> str:
+        """The whole answer of ``stream``; pass ``stats=GenerationStats()`` to get its finish reason."""
         return "".join(chunk.text for chunk in self.stream(prompt, **options))

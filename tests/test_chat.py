@@ -215,3 +215,147 @@ def test_q_bits_flag_quantizes_the_weights_on_load(chat_checkpoint):
     quantized = models.load(str(chat_checkpoint), dtype="float32", q_bits=8, q_group_size=32)
     expected = "".join(ChatSession(quantized, max_tokens=6).send("Hello"))
     assert out.stdout == expected + "\n"
+
+
+def cache_states(session: ChatSession) -> list:
+    """Every layer's offset and stored keys and values, as numpy (shared views by their kind)."""
+    out = []
+    for c in session.cache:
+        state = getattr(c, "state", None)
+        if state is None:
+            out.append(c.kind)
+            continue
+        planes = [np.array(p) for p in (state["keys"] or ()) + (state["values"] or ())]
+        out.append((state["kind"], state["offset"], planes))
+    return out
+
+
+def assert_same_chat(session: ChatSession, before: tuple) -> None:
+    messages, fed, states = before
+    assert session.messages == messages and session.fed == fed
+    now = cache_states(session)
+    assert len(now) == len(states)
+    for a, b in zip(now, states):
+        if isinstance(a, str):
+            assert a == b
+            continue
+        assert a[:2] == b[:2] and len(a[2]) == len(b[2])
+        assert all(np.array_equal(x, y) for x, y in zip(a[2], b[2]))
+
+
+def snapshot(session: ChatSession) -> tuple:
+    return [dict(m) for m in session.messages], list(session.fed), cache_states(session)
+
+
+class CountingGraph:
+    """Stands in for ``model.graph``: counts the forwards and calls ``before(n)`` ahead of the n-th."""
+
+    def __init__(self, graph, before=lambda n: None):
+        self.graph, self.before, self.calls = graph, before, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        self.before(self.calls)
+        return self.graph(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.graph, name)
+
+
+def test_a_rejected_message_leaves_the_chat_as_it_was(model):
+    """A message past the context is refused, and the chat goes on as if it had never been sent."""
+    session = ChatSession(model, max_tokens=6, prefill_step_size=5)
+    "".join(session.send("Hello there!"))
+    before = snapshot(session)
+    with pytest.raises(ValueError, match="does not fit the context"):
+        "".join(session.send("word " * 600))
+    assert_same_chat(session, before)
+    answer = "".join(session.send("And now?"))
+    fresh = ChatSession(model, max_tokens=6, prefill_step_size=5)
+    "".join(fresh.send("Hello there!"))
+    assert answer == "".join(fresh.send("And now?"))
+    assert session.messages == fresh.messages
+
+
+def test_an_error_during_the_prefill_rolls_the_turn_back(model, monkeypatch):
+    """Any exception before the first answer token puts the history and the cache back exactly
+    (here after the sliding windows wrapped), and the next turn is what a fresh prefill gives."""
+    session = ChatSession(model, max_tokens=10, prefill_step_size=5)
+    for text in ("Hello there!", "What is the capital of France?"):
+        "".join(session.send(text))
+    assert len(session.fed) > 3 * WINDOW
+    before = snapshot(session)
+
+    def fail_third(n):
+        if n == 3:
+            raise RuntimeError("injected failure")
+
+    graph = CountingGraph(model.graph, fail_third)
+    monkeypatch.setattr(model, "graph", graph)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        "".join(session.send("Please tell me a long story about the sea and its ships."))
+    monkeypatch.undo()
+    assert graph.calls == 3
+    assert_same_chat(session, before)
+    assert_next_turn_matches_fresh_prefill(session, "And of Italy? Answer in one word.")
+
+
+def test_ctrl_c_during_the_prefill_stops_it_and_drops_the_turn(model, monkeypatch):
+    """should_stop is asked between prefill chunks: the prefill stops at once, the turn is dropped."""
+    session = ChatSession(model, max_tokens=6, prefill_step_size=4)
+    "".join(session.send("Hello there!"))
+    before = snapshot(session)
+    graph = CountingGraph(model.graph)
+    monkeypatch.setattr(model, "graph", graph)
+    out = "".join(session.send("word " * 100, should_stop=lambda: graph.calls >= 2))
+    monkeypatch.undo()
+    assert out == "" and graph.calls == 2  # 100+ prompt tokens in chunks of 4: stopped after the second
+    assert session.last_stats.finish_reason == "interrupted"
+    assert_same_chat(session, before)
+    fresh = ChatSession(model, max_tokens=6, prefill_step_size=4)
+    "".join(fresh.send("Hello there!"))
+    assert "".join(session.send("And now?")) == "".join(fresh.send("And now?"))
+
+
+def test_an_answer_that_fills_the_context_is_kept(chat_checkpoint, model):
+    """Reaching the context mid-answer is finish reason "length", not an error: the answer stays."""
+    from models.generation.generate import GenerationStats
+
+    session = ChatSession(model, max_tokens=1000)
+    text = "word " * 480  # 493 prompt positions of the 512
+    answer = "".join(session.send(text))
+    stats = session.last_stats
+    assert stats.finish_reason == "length" and 0 < stats.generation_tokens < 1000
+    assert session.messages[-1] == {"role": "assistant", "content": answer}
+    assert len(session.fed) == model.max_context == session.cache[0].offset
+    generate_stats = GenerationStats()
+    assert model.generate(session.render(session.messages[:-1]), max_tokens=1000, stats=generate_stats) == answer
+    assert generate_stats.finish_reason == "length"
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-m", "examples.chat", "--model", str(chat_checkpoint), "--prompt", text, "--max-tokens", "1000"],
+        capture_output=True, text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == answer + "\n"
+    assert "context (512 positions)" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_kv_group_size_the_head_dims_refuse_is_an_error_at_start(chat_checkpoint, model):
+    """The tiny model's sliding layers have head dim 32: a KV group of 64 is refused before the
+    first token, not when the cache would switch to quantized storage."""
+    import subprocess
+
+    from models.generation.generate import KVQuantization
+
+    with pytest.raises(ValueError, match="group_size=64.*head dims \\[32, 64\\]"):
+        ChatSession(model, kv_quantization=KVQuantization(8, 64))
+    out = subprocess.run(
+        [sys.executable, "-m", "examples.chat", "--model", str(chat_checkpoint), "--prompt", "Hello",
+         "--kv-bits", "8", "--kv-group-size", "64"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("error: --kv-group-size 64: must divide every layer's head dim")
+    assert out.stderr.count("\n") == 1

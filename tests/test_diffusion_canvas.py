@@ -103,3 +103,20 @@ def test_real_tokenizer_chat_template_and_image(tmp_path):
     child.expect(pexpect.EOF)
     assert "tokens per denoising step" in child.before and "block 1 · step 1" in child.before
     assert len(frames_of((tmp_path / "run.html").read_text())) >= 2
+
+
+def test_unwritable_html_path_is_refused_before_the_generation(checkpoint, tmp_path, capsys):
+    page = tmp_path / "no-such-folder" / "run.html"
+    code = diffusion_canvas.main(["--model", str(checkpoint), "--prompt", "hello", "--max-new-tokens", "16",
+                                  "--steps", "2", "--seed", "3", "--html", str(page)])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""  # nothing generated
+    assert err.startswith(f"error: --html {page}: cannot write there") and err.count("\n") == 1
+    code = diffusion_canvas.main(["--model", str(checkpoint), "--quantized-kv-start", "-1"])
+    out, err = capsys.readouterr()
+    assert code == 2 and err == "error: --quantized-kv-start -1: must be a whole number >= 0\n"
+    code = diffusion_canvas.main(["--model", str(checkpoint), "--max-new-tokens", "16", "--steps", "2",
+                                  "--kv-bits", "8", "--kv-group-size", "64"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""  # refused at start: head dims 32 and 64
+    assert err.startswith("error: --kv-group-size 64: must divide every layer's head dim") and err.count("\n") == 1

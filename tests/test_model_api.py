@@ -137,3 +137,83 @@ def test_last_only_skips_the_shared_tail_exactly(checkpoint):
         last = model.forward(mx.array([ids[start:stop]]), cache, last_only=True)
         assert last.shape == (1, 1, 256)
         assert np.abs(np.array(last)[0, 0] - full[stop - 1]).max() < 1e-4
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_answer_that_fills_the_context_ends_with_length(checkpoint, overlap):
+    """Reaching max_position_embeddings mid-answer ends the answer (finish reason "length"), every
+    yielded token fed; a prompt that does not fit is refused before any forward."""
+    folder, _ = checkpoint
+    model = models.load(str(folder), tokenizer=False)
+    prompt = np.random.default_rng(2).integers(3, 256, 500).tolist()
+    cache, stats = model.make_cache(), GenerationStats()
+    tokens = list(generate_tokens(model.forward, prompt, cache, max_tokens=100, stats=stats, overlap=overlap,
+                                  max_context=model.max_context))  # fmt: skip
+    assert len(tokens) == 512 - 500 and stats.finish_reason == "length"
+    assert cache[0].offset == 512
+    stats = GenerationStats()
+    list(generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=5, stats=stats, overlap=overlap))
+    assert stats.finish_reason == "length"  # max_tokens is a length limit too
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return model.forward(*args, **kwargs)
+
+    with pytest.raises(ValueError, match="does not fit the context: 0 cached \\+ 513 new positions"):
+        list(generate_tokens(counting, prompt + prompt[:13], model.make_cache(), max_context=model.max_context))
+    assert not calls
+
+
+def test_interrupt_is_checked_between_prefill_chunks(checkpoint):
+    """should_stop is asked before every prefill chunk: a long prompt stops after the chunk being computed."""
+    folder, _ = checkpoint
+    model = models.load(str(folder), tokenizer=False)
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return model.forward(*args, **kwargs)
+
+    cache, stats = model.make_cache(), GenerationStats()
+    stream = generate_tokens(counting, list(range(3, 23)), cache, prefill_step_size=5, stats=stats,
+                             should_stop=lambda: len(calls) >= 1)  # fmt: skip
+    assert list(stream) == []
+    assert len(calls) == 1 and cache[0].offset == 5
+    assert stats.finish_reason == "interrupted" and stats.prompt_tokens == 5
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        (dict(temp=float("inf")), "temp=inf"),
+        (dict(temp=float("nan")), "temp=nan"),
+        (dict(temp=-0.5), "temp=-0.5"),
+        (dict(top_p=1.5), "top_p=1.5"),
+        (dict(top_p=-0.1), "top_p=-0.1"),
+        (dict(top_k=-1), "top_k=-1"),
+        (dict(min_p=2.0), "min_p=2.0"),
+        (dict(min_p=float("nan")), "min_p=nan"),
+    ],
+)
+def test_sampling_options_are_checked_on_construction(options, named):
+    with pytest.raises(ValueError, match=named):
+        SamplingOptions(**options)
+
+
+def test_generation_limits_and_kv_settings_are_named_errors(checkpoint):
+    from models.generation.generate import KVQuantization
+
+    folder, _ = checkpoint
+    model = models.load(str(folder), tokenizer=False)
+    for max_tokens in (None, -5, 0):
+        with pytest.raises(ValueError, match=f"max_tokens={max_tokens}"):
+            list(generate_tokens(model.forward, [2, 3, 4], model.make_cache(), max_tokens=max_tokens))
+    with pytest.raises(ValueError, match="start=-1"):
+        KVQuantization(8, 64, start=-1)
+    with pytest.raises(ValueError, match="group_size=48"):
+        KVQuantization(8, 48)
+    # T2's head dims are 32 (sliding) and 64 (full): a group of 64 cannot split the sliding layers' rows
+    KVQuantization(8, 32).check_model(model.config)
+    with pytest.raises(ValueError, match="group_size=64.*head dims \\[32, 64\\]"):
+        KVQuantization(8, 64).check_model(model.config)

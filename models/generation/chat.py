@@ -12,6 +12,10 @@ expanded to the image's soft tokens (``models.generation.prompts``); every image
 for the whole conversation, so a rebuilt cache can be prefilled again without the vision tower.
 All soft tokens share one id, so two renderings are compared image by image as well as token by
 token, and the cache is never cut inside an image: its keys depend on the whole image.
+
+A turn that ends before its first answer token (its prompt refused, say past the context, or an
+error or an interrupt during its prefill) is dropped: the history and the cache go back to what
+they were before it, so one bad message never breaks the chat.
 """
 
 from __future__ import annotations
@@ -21,9 +25,15 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
-from cache import owning_caches, trim_cache
+from cache import SharedView, cache_from_state, owning_caches, trim_cache
 
-from models.generation.generate import DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions
+from models.generation.generate import (
+    DEFAULT_PREFILL_STEP,
+    GenerationStats,
+    KVQuantization,
+    SamplingOptions,
+    check_positive_int,
+)
 from models.generation.prompts import ImageSpan, Prompt, expand_image_placeholders
 from models.model import Model
 
@@ -67,6 +77,14 @@ class ChatSession:
         max_soft_tokens: int | None = None,
         kv_quantization: KVQuantization | None = None,
     ):
+        # Checked now, not at the first token or when the cache switches to quantized storage.
+        check_positive_int("max_tokens", max_tokens)
+        check_positive_int("prefill_step_size", prefill_step_size)
+        if sampling is not None:
+            sampling.check()
+        if kv_quantization is not None:
+            kv_quantization.check()
+            kv_quantization.check_model(model.config, str(model.path))
         self.model = model
         self.kv_quantization = kv_quantization
         self.enable_thinking = enable_thinking
@@ -123,23 +141,32 @@ class ChatSession:
 
     def send(self, text: str, should_stop=lambda: False, images: Sequence = ()) -> Iterator[str]:
         """Add a user turn (``images`` first, then ``text``) and stream the model's answer; the answer
-        joins the history at the end. Images are paths, PIL images, uint8 arrays or ``ProcessedImage`` s."""
-        start = time.perf_counter()
-        processed = self.model.process_images(list(images), self.max_soft_tokens) if images else []
-        new_features = self.model.encode_images(processed) if images else []
-        self.last_vision_seconds = time.perf_counter() - start
-        content = text
-        if images:
-            # The template reads only the type; the source names the image in transcripts.
-            content = [*({"type": "image", "image": p.source} for p in processed), {"type": "text", "text": text}]
-        messages = self.messages + [{"role": "user", "content": content}]
-        features = self.image_features + new_features
-        prompt = self.render_prompt(messages, features)
-        self.messages, self.image_features = messages, features
-        new = self._reuse_cache(prompt.ids, prompt.images)
+        joins the history at the end. Images are paths, PIL images, uint8 arrays or ``ProcessedImage`` s.
+
+        ``should_stop`` is asked between prefill chunks and between tokens. ``last_stats.finish_reason``
+        says how the answer ended (``"length"``: ``max_tokens`` or a full context; the answer is kept).
+        A turn stopped or failed before its first answer token is dropped (see the module docstring);
+        its exception, if any, propagates.
+        """
+        before = self._snapshot()  # released once the first answer token exists
+        stats = self.last_stats = GenerationStats()
         answer: list[str] = []
         generated: list[int] = []
+        prompt = None
         try:
+            start = time.perf_counter()
+            processed = self.model.process_images(list(images), self.max_soft_tokens) if images else []
+            new_features = self.model.encode_images(processed) if images else []
+            self.last_vision_seconds = time.perf_counter() - start
+            content = text
+            if images:
+                # The template reads only the type; the source names the image in transcripts.
+                content = [*({"type": "image", "image": p.source} for p in processed), {"type": "text", "text": text}]
+            messages = self.messages + [{"role": "user", "content": content}]
+            features = self.image_features + new_features
+            prompt = self.render_prompt(messages, features)
+            self.messages, self.image_features = messages, features
+            new = self._reuse_cache(prompt.ids, prompt.images)
             for chunk in self.model.stream(
                 prompt.suffix(len(prompt.ids) - len(new)),
                 cache=self.cache,
@@ -148,20 +175,47 @@ class ChatSession:
                 prefill_step_size=self.prefill_step_size,
                 should_stop=should_stop,
                 kv_quantization=self.kv_quantization,
+                stats=stats,
             ):
                 if chunk.token is not None:
                     generated.append(chunk.token)
-                self.last_stats = chunk.stats
+                    before = None
                 if chunk.text:
                     answer.append(chunk.text)
                     yield chunk.text
-        finally:
-            self.fed = prompt.ids + generated
-            self.fed_images = prompt.images
-            self.messages.append({"role": "assistant", "content": "".join(answer)})
-            if any(c.offset != len(self.fed) for c in owning_caches(self.cache)):
-                # Stopped inside a forward (an exception, not a clean stop): start the next turn afresh.
-                self.cache, self.fed, self.fed_images = self.model.make_cache(), [], ()
+        except BaseException:
+            if before is not None:
+                self._restore(before)
+            else:
+                self._end_turn(prompt, generated, answer)
+            raise
+        if before is not None and stats.finish_reason == "interrupted":
+            self._restore(before)
+        else:
+            self._end_turn(prompt, generated, answer)
+
+    def _end_turn(self, prompt: Prompt, generated: list[int], answer: list[str]) -> None:
+        """The answer joins the history; the cache holds the prompt and the fed answer tokens."""
+        self.fed = prompt.ids + generated
+        self.fed_images = prompt.images
+        self.messages.append({"role": "assistant", "content": "".join(answer)})
+        if any(c.offset != len(self.fed) for c in owning_caches(self.cache)):
+            # Stopped inside a forward (an exception, not a clean stop): start the next turn afresh.
+            self.cache, self.fed, self.fed_images = self.model.make_cache(), [], ()
+
+    def _snapshot(self) -> tuple:
+        """What a turn may change, to put back if the turn is dropped. Cheap: MLX arrays are values,
+        so each cache's ``state`` shares its buffers (while it is held, the turn's first write to a
+        buffer copies it instead of updating it in place)."""
+        index = {id(c): i for i, c in enumerate(self.cache)}
+        layers = [("view", index[id(c.donor)]) if isinstance(c, SharedView) else ("own", c.state) for c in self.cache]
+        return list(self.messages), list(self.image_features), list(self.fed), self.fed_images, layers
+
+    def _restore(self, snapshot: tuple) -> None:
+        messages, features, fed, fed_images, layers = snapshot
+        owners = {i: cache_from_state(value) for i, (kind, value) in enumerate(layers) if kind == "own"}
+        self.cache = [owners[i] if kind == "own" else owners[value].shared_view() for i, (kind, value) in enumerate(layers)]
+        self.messages, self.image_features, self.fed, self.fed_images = messages, features, fed, fed_images
 
     def reset(self) -> None:
         system = [m for m in self.messages if m["role"] == "system"]

@@ -12,6 +12,8 @@ the cache; a stop token never is).
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
@@ -19,21 +21,82 @@ from typing import Callable, Iterable, Iterator, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from cache import cpu_math, quantize_caches, trim_cache
+from cache import cache_offset, cpu_math, quantize_caches, trim_cache
 
 from models.generation.prompts import ImageSpan, prefill_chunks
 
 DEFAULT_PREFILL_STEP = 512
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+class GenerationOptionError(ValueError):
+    """A generation argument outside its range. ``argument`` and ``value`` name it, so a CLI can
+    report it under its own flag (``--top-p 1.5: ...``) rather than the Python name."""
+
+    def __init__(self, argument: str, value, requirement: str):
+        self.argument, self.value, self.requirement = argument, value, requirement
+        super().__init__(f"{argument}={value!r}: {requirement}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_positive_int(argument: str, value) -> int:
+    """``value`` as an int if it is one and >= 1, else ``GenerationOptionError`` (max_tokens, prefill steps)."""
+    if not _is_int(value) or value < 1:
+        raise GenerationOptionError(argument, value, "must be a whole number >= 1")
+    return int(value)
+
+
+def layer_head_dims(config) -> tuple[int, ...]:
+    """Every decoder layer's head dim: Gemma 4 configs list them (full layers have their own),
+    Gemma 3 configs share one; multimodal and diffusion configs keep theirs under ``text``."""
+    text = getattr(config, "text", config)
+    dims = getattr(text, "layer_head_dims", None)
+    return tuple(dims) if dims is not None else (text.head_dim,) * text.num_hidden_layers
 
 
 @dataclass
 class KVQuantization:
     """Quantized KV storage once a cache holds ``start`` positions (mlx-lm's ``--kv-bits``,
-    ``--kv-group-size``, ``--quantized-kv-start``); ``bits=None`` keeps full precision."""
+    ``--kv-group-size``, ``--quantized-kv-start``); ``bits=None`` keeps full precision.
+
+    The fields are checked on construction; ``check_model`` checks the group size against a
+    model's head dims, so a bad pair is refused before the first token rather than when the cache
+    switches to quantized storage, possibly many turns into a chat.
+    """
 
     bits: int | None = None
     group_size: int = 64
     start: int = 5000
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        if self.bits is not None and (not _is_int(self.bits) or self.bits not in KV_BITS):
+            raise GenerationOptionError("bits", self.bits, f"must be one of {KV_BITS} (or None: full precision)")
+        if not _is_int(self.group_size) or self.group_size not in KV_GROUP_SIZES:
+            raise GenerationOptionError("group_size", self.group_size, f"must be one of {KV_GROUP_SIZES}")
+        if not _is_int(self.start) or self.start < 0:
+            raise GenerationOptionError("start", self.start, "must be a whole number >= 0")
+
+    def check_model(self, config, owner: str = "the model") -> None:
+        """Refuse a group size that does not divide every layer's head dim (each key and value row
+        is quantized in groups along it); nothing to check without ``bits``."""
+        if self.bits is None:
+            return
+        dims = sorted(set(layer_head_dims(config)))
+        if any(d % self.group_size for d in dims):
+            raise GenerationOptionError(
+                "group_size", self.group_size, f"must divide every layer's head dim, and {owner} has head dims {dims}"
+            )
 
     def apply(self, cache: list) -> None:
         if self.bits is not None:
@@ -42,7 +105,8 @@ class KVQuantization:
 
 @dataclass
 class SamplingOptions:
-    """mlx-lm's sampling knobs; ``temp == 0`` is greedy."""
+    """mlx-lm's sampling knobs; ``temp == 0`` is greedy. Checked on construction (and again when
+    the sampler is made, as the fields may have been changed since)."""
 
     temp: float = 0.0
     top_p: float = 0.0
@@ -50,15 +114,27 @@ class SamplingOptions:
     min_p: float = 0.0
     seed: int | None = None
 
-    def sampler(self) -> Callable[[mx.array], mx.array]:
-        for name, value, ok in (
-            ("temp", self.temp, self.temp >= 0),
-            ("top_p", self.top_p, 0 <= self.top_p <= 1),
-            ("top_k", self.top_k, self.top_k >= 0),
-            ("min_p", self.min_p, 0 <= self.min_p <= 1),
-        ):
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        def unit(x) -> bool:
+            return _is_real(x) and 0 <= x <= 1  # False for nan
+
+        for name, value, ok, requirement in (
+            ("temp", self.temp, _is_real(self.temp) and math.isfinite(self.temp) and self.temp >= 0,
+             "must be a finite number >= 0 (0 is greedy)"),
+            ("top_p", self.top_p, unit(self.top_p), "must be in [0, 1] (0 switches it off)"),
+            ("top_k", self.top_k, _is_int(self.top_k) and self.top_k >= 0, "must be a whole number >= 0 (0 switches it off)"),
+            ("min_p", self.min_p, unit(self.min_p), "must be in [0, 1] (0 switches it off)"),
+            ("seed", self.seed, self.seed is None or (_is_int(self.seed) and self.seed >= 0),
+             "must be a whole number >= 0 (or None)"),
+        ):  # fmt: skip
             if not ok:
-                raise ValueError(f"sampling option {name}={value} is out of range")
+                raise GenerationOptionError(name, value, requirement)
+
+    def sampler(self) -> Callable[[mx.array], mx.array]:
+        self.check()
         if self.seed is not None:
             mx.random.seed(self.seed)
         return make_sampler(temp=self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
@@ -66,6 +142,10 @@ class SamplingOptions:
 
 @dataclass
 class GenerationStats:
+    """What a generation did. ``finish_reason``: ``"stop"`` (a stop id came), ``"length"`` (the
+    ``max_tokens`` limit, or the model's context is full: the next token has no position left) or
+    ``"interrupted"`` (``should_stop`` asked, during the prefill or between tokens)."""
+
     prompt_tokens: int = 0
     prompt_seconds: float = 0.0
     generation_tokens: int = 0
@@ -90,16 +170,21 @@ def prefill(
     step: int = DEFAULT_PREFILL_STEP,
     images: Sequence[ImageSpan] = (),
     kv_quantization: KVQuantization | None = None,
-) -> mx.array:
+    should_stop: Callable[[], bool] | None = None,
+) -> mx.array | None:
     """Feed ``ids`` to the cache in chunks of about ``step``; returns the logits of the last position [V].
 
     ``images`` are the image spans inside ``ids``; each goes whole into one chunk, and that chunk's
     ``forward`` call gets ``image_features`` (the rows of its images, in order).
+    ``should_stop`` is asked before each chunk, so a long prompt can be interrupted: then the
+    result is None and the cache holds the chunks fed so far.
     """
     if not ids:
         raise ValueError("prefill: the prompt is empty")
     logits = None
     for start, end in prefill_chunks(len(ids), images, step):
+        if should_stop is not None and should_stop():
+            return None
         chunk = mx.array([list(ids[start:end])])
         inside = [span.features for span in images if start <= span.start < end]
         extra = {"image_features": mx.concatenate(inside)} if inside else {}
@@ -125,26 +210,39 @@ def generate_tokens(
     images: Sequence[ImageSpan] = (),
     kv_quantization: KVQuantization | None = None,
     overlap: bool | None = None,
+    max_context: int | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids; each yielded id has already been fed to ``cache``.
 
     ``forward(ids [1, L], cache, last_only)`` returns logits. With ``overlap`` (the default off
-    the CPU) the step feeding a token is built and queued (``mx.async_eval``) before the token is
-    read, as mlx-lm does, so the host builds graphs while the device computes; on the CPU the host
-    and the compute share the same cores, and that measured slower than reading each token first
-    (23.6 vs 24.6 tok/s on the 270M, 2-core box), so there the step is built after the read. A
-    stop id ends the stream unyielded and unfed (a queued step is trimmed off the caches), so a
-    chat's cache holds exactly the prompt and the answer.
+    the CPU) the step feeding a token is queued (``mx.async_eval``) before the token is read, as
+    mlx-lm does, so the host builds graphs while the device computes; on the CPU host and compute
+    share the cores and reading first is faster (docs/speed.md). A stop id ends the stream
+    unyielded and unfed (a queued step is trimmed off), so a chat's cache holds exactly the prompt
+    and the answer.
+
+    ``max_context`` (positions the model can hold): a prompt that does not fit is refused before
+    any work, and an answer that fills the context ends with finish reason ``"length"``.
+    ``should_stop`` is also asked between prefill chunks; an interrupted prefill yields nothing
+    and leaves its chunks in the cache (a caller that keeps the cache rolls it back).
     ``images`` are the image spans of ``prompt_ids`` (see ``prefill``); ``kv_quantization`` switches
-    the caches to quantized storage once they hold enough positions.
+    the caches to quantized storage once they hold enough positions. ``stats`` is filled in.
     """
+    max_tokens = check_positive_int("max_tokens", max_tokens)
+    prefill_step_size = check_positive_int("prefill_step_size", prefill_step_size)
     options = sampling or SamplingOptions()
     sampler = options.sampler()
     stop_ids = set(stop_ids)
     stats = stats if stats is not None else GenerationStats()
+    offset = cache_offset(cache)
+    if max_context is not None and offset + len(prompt_ids) > max_context:
+        raise ValueError(
+            f"the prompt does not fit the context: {offset} cached + {len(prompt_ids)} new positions > "
+            f"max_position_embeddings {max_context}"
+        )
 
     def sample(logits: mx.array) -> mx.array:
-        if options.temp == 0:  # greedy: the argmax needs no normalising (~2% of a 270M CPU step)
+        if options.temp == 0:  # greedy: the argmax needs no normalising
             return mx.argmax(logits, axis=-1)
         return sampler(cpu_math.log_softmax(logits))  # mlx-lm's samplers take log-probabilities
 
@@ -155,7 +253,13 @@ def generate_tokens(
         overlap = mx.default_device() != mx.cpu
 
     start = time.perf_counter()
-    y = sample(prefill(forward, prompt_ids, cache, prefill_step_size, images, kv_quantization)[None])
+    logits = prefill(forward, prompt_ids, cache, prefill_step_size, images, kv_quantization, should_stop)
+    if logits is None:
+        stats.prompt_tokens = cache_offset(cache) - offset
+        stats.prompt_seconds = time.perf_counter() - start
+        stats.finish_reason = "interrupted"
+        return
+    y = sample(logits[None])
     mx.eval(y)
     stats.prompt_tokens = len(prompt_ids)
     stats.prompt_seconds = time.perf_counter() - start
@@ -165,16 +269,21 @@ def generate_tokens(
             if stats.generation_tokens >= max_tokens:
                 stats.finish_reason = "stop" if int(y.item()) in stop_ids else "length"
                 return
+            # y can be fed only while the context has a position left for it.
+            room = max_context is None or cache_offset(cache) < max_context
             if kv_quantization is not None:
                 kv_quantization.apply(cache)
-            if overlap:  # queue the step feeding y before reading y (trimmed off below if y stops)
+            if overlap and room:  # queue the step feeding y before reading y (trimmed off below if y stops)
                 next_y = step(y)
                 mx.async_eval(next_y)
             token = int(y.item())
             if token in stop_ids or should_stop():
                 stats.finish_reason = "stop" if token in stop_ids else "interrupted"
-                if overlap and not trim_cache(cache, 1):
+                if overlap and room and not trim_cache(cache, 1):
                     raise RuntimeError("generate_tokens: the caches cannot drop the unfed last token")
+                return
+            if not room:
+                stats.finish_reason = "length"
                 return
             if not overlap:
                 next_y = step(y)  # fed now, computed when the next token is read

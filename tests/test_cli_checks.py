@@ -1,0 +1,53 @@
+"""The example CLIs refuse bad generation flags and unwritable output paths at start: one line that
+names the flag and its value, exit code 2, before the model is loaded (no model is needed here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from examples import chat, image_to_text
+
+NOT_A_MODEL = "no-such-model-folder"  # loading it would fail: the checks must come first
+
+
+@pytest.mark.parametrize(
+    "flags, line",
+    [
+        (["--max-tokens", "-5"], "error: --max-tokens -5: must be a whole number >= 1"),
+        (["--max-tokens", "0"], "error: --max-tokens 0: must be a whole number >= 1"),
+        (["--temp", "inf"], "error: --temp inf: must be a finite number >= 0"),
+        (["--temp", "nan"], "error: --temp nan: must be a finite number >= 0"),
+        (["--temp", "-1"], "error: --temp -1.0: must be a finite number >= 0"),
+        (["--top-p", "1.5"], "error: --top-p 1.5: must be in [0, 1]"),
+        (["--top-p", "-0.5"], "error: --top-p -0.5: must be in [0, 1]"),
+        (["--top-k", "-3"], "error: --top-k -3: must be a whole number >= 0"),
+        (["--min-p", "2"], "error: --min-p 2.0: must be in [0, 1]"),
+        (["--quantized-kv-start", "-1"], "error: --quantized-kv-start -1: must be a whole number >= 0"),
+        (["--prefill-step-size", "0"], "error: --prefill-step-size 0: must be a whole number >= 1"),
+    ],
+)
+def test_bad_generation_flags_are_one_line_errors(flags, line, capsys):
+    assert chat.main(["--model", NOT_A_MODEL, "--prompt", "hi", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(line) and err.count("\n") == 1
+    assert image_to_text.main(["--model", NOT_A_MODEL, "--image", "missing.png", *flags]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(line) and err.count("\n") == 1
+
+
+def test_an_unwritable_transcript_is_refused_before_the_chat(tmp_path, capsys):
+    missing = tmp_path / "no-such-folder" / "chat.json"
+    assert chat.main(["--model", NOT_A_MODEL, "--transcript", str(missing)]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith(f"error: --transcript {missing}: cannot write there") and err.count("\n") == 1
+    assert chat.main(["--model", NOT_A_MODEL, "--transcript", str(tmp_path)]) == 2  # a folder
+    assert "--transcript" in capsys.readouterr().err
+
+
+def test_the_writability_probe_leaves_nothing_behind(tmp_path):
+    from examples.chat import check_writable
+
+    target = tmp_path / "new.json"
+    assert check_writable(str(target), "--transcript") is None and not target.exists()
+    target.write_text("kept")
+    assert check_writable(str(target), "--transcript") is None and target.read_text() == "kept"
