@@ -10,7 +10,7 @@ the per-graph reads (``decode``, ``window``, ``vision_prefill``, ``encoder``, ``
 
 import zoo_blas  # noqa: F401  (first: loads a fast BLAS before anything imports MLX; see zoo_blas.py)
 
-from .base import AttentionCache, SharedView
+from .base import AttentionCache, MediaSplitError, SharedView
 from .full import KVCache, QuantizedKVCache
 from .quantize import quantize_caches
 from .reads import Read
@@ -52,6 +52,7 @@ def trim_cache(cache: list, n: int) -> bool:
 
 __all__ = [
     "AttentionCache",
+    "MediaSplitError",
     "KVCache",
     "RotatingKVCache",
     "QuantizedKVCache",

@@ -26,6 +26,13 @@ from .codecs import Dense, Planes
 from .spec import CacheSpec
 
 
+class MediaSplitError(ValueError):
+    """A read that starts inside a media span (image, video frame, audio clip) where the stored
+    positions end inside one: the span was cut across two reads, which the reference never does
+    (an image's or frame's keys depend on the whole span on sliding layers; a clip's features are
+    placed whole)."""
+
+
 class Attended(NamedTuple):
     """What one writing read attended: replayed by a shared view with its own queries."""
 
@@ -72,17 +79,20 @@ class AttentionCache:
     def vision_prefill(self, q: mx.array, k: mx.array, v: mx.array, blocks, *, scale: float) -> mx.array:
         """Gemma 4 prefill of a prompt with images, appended.
 
-        ``blocks [B, L]`` is each new position's image index (-1 for text). Sliding layers:
-        ``(causal OR same image) AND window``; full layers: causal. An image's span is never split
-        across two reads: the caller must keep every image inside one read, and a read that starts
-        inside an image right where the stored positions end inside one raises ``ValueError``.
+        ``blocks [B, L]`` is each new position's block: an index >= 0 for a span with the
+        bidirectional overlay (an image or video frame), -1 for text, <= -2 for a media span
+        attended causally (audio, or any media of a config without vision bidirectionality).
+        Sliding layers: ``(causal OR same block >= 0) AND window``; full layers: causal. A media
+        span is never split across two reads: the caller must keep every span inside one read, and
+        a read that starts inside a span right where the stored positions end inside one raises
+        ``MediaSplitError``.
         """
         check_qkv("vision_prefill", q, k, v)
         blocks = self._check_image_blocks("vision_prefill", blocks, q)
         out = self._write_and_attend(
             "vision_prefill", q, k, v, scale, lambda qs, L, ks, T: masks.vision_prefill(qs, L, ks, T, blocks, self.sliding_window)
         )
-        self._ends_in_image = [bool(b) for b in np.array(blocks[:, -1] >= 0)]
+        self._ends_in_image = [bool(b) for b in np.array(blocks[:, -1] != -1)]
         return out
 
     def encoder(self, q: mx.array, k: mx.array, v: mx.array, blocks, *, scale: float) -> mx.array:
@@ -94,7 +104,7 @@ class AttentionCache:
         out = self._write_and_attend(
             "encoder", q, k, v, scale, lambda qs, L, ks, T: masks.encoder(qs, L, ks, T, blocks, self.sliding_window)
         )
-        self._ends_in_image = [bool(b) for b in np.array(blocks[:, -1] >= 0)]
+        self._ends_in_image = [bool(b) for b in np.array(blocks[:, -1] != -1)]
         return out
 
     def bidirectional(self, q: mx.array, k: mx.array, v: mx.array, *, scale: float) -> mx.array:
@@ -320,12 +330,12 @@ class AttentionCache:
     def _check_image_blocks(self, read: str, blocks, q: mx.array) -> mx.array:
         blocks = check_blocks(read, blocks, q.shape[0], q.shape[2])
         if self._ends_in_image and self._rows:
-            starts_in_image = np.array(blocks[:, 0] >= 0)
+            starts_in_image = np.array(blocks[:, 0] != -1)
             for row, (ended, starts) in enumerate(zip(self._ends_in_image, starts_in_image)):
                 if ended and starts:
-                    raise ValueError(
-                        f"{read}: row {row} starts inside an image where the stored positions end inside one; "
-                        "an image's span must be given in a single read"
+                    raise MediaSplitError(
+                        f"{read}: row {row} starts inside an image, video frame or audio clip where the "
+                        "stored positions end inside one; a span must be given in a single read"
                     )
         return blocks
 

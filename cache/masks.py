@@ -53,9 +53,11 @@ def _same_block(blocks: mx.array, T: int) -> mx.array:
 
 
 def vision_prefill(q_start: int, L: int, k_start: int, T: int, blocks: mx.array, window: int | None):
-    """Gemma 4 vision prefill: sliding layers ``(causal OR same image) AND window``; full layers causal."""
-    if window is None:
-        return causal(q_start, L, k_start, T)
+    """Gemma 4 media prefill: sliding layers ``(causal OR same block >= 0) AND window``; full layers
+    causal. Blocks below 0 (text -1, causal media spans <= -2) add no overlay: without any block
+    >= 0 the mask is exactly ``causal`` (and takes its fast forms)."""
+    if window is None or not bool(mx.any(blocks >= 0).item()):
+        return causal(q_start, L, k_start, T, window)
     qpos, kpos = _positions(q_start, L, k_start, T)
     visible = ((kpos <= qpos) | _same_block(blocks, T)) & (kpos > qpos - window)
     return visible

@@ -19,7 +19,7 @@ _WITH_BLOCKS = ("vision_prefill", "encoder")
 @dataclass(frozen=True, eq=False)
 class Read:
     name: str
-    blocks: mx.array | None = None  # [B, L] image index per new position (-1 text), for the reads that take it
+    blocks: mx.array | None = None  # [B, L] per new position: block >= 0 (bidirectional span), -1 text, <= -2 causal media span
 
     def __post_init__(self) -> None:
         if self.name not in NAMES:

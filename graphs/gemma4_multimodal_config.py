@@ -1,7 +1,8 @@
 """The configuration of a Gemma 4 checkpoint with a vision tower (transformers' ``Gemma4Config``).
 
-It is the text config, the vision config and the ids that place images in a prompt. Audio and
-video are not built: their towers' weights are ignored and their tokens are ordinary text here.
+It is the text config, the vision config, the audio config when the checkpoint has an audio tower
+(E2B/E4B; ``graphs.gemma4_audio_config``) and the ids that place images, video frames and audio
+clips in a prompt.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from graphs.gemma4_audio_config import Gemma4AudioConfig, MediaTokenIds, has_audio_config, media_token_ids
 from graphs.gemma4_text_config import Gemma4TextConfig
 from graphs.gemma4_vision_config import Gemma4VisionConfig
 
@@ -32,6 +34,8 @@ class Gemma4MultimodalConfig:
     vision: Gemma4VisionConfig
     image_tokens: ImageTokenIds
     pad_token_id: int  # image positions are embedded as this token before their features overwrite them
+    media_tokens: MediaTokenIds = media_token_ids({}, "Gemma4MultimodalConfig")  # audio and video ids
+    audio: Gemma4AudioConfig | None = None  # None: no audio tower (or its weights were dropped)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "Gemma4MultimodalConfig":
@@ -48,7 +52,9 @@ class Gemma4MultimodalConfig:
         tokens = ImageTokenIds(image=ids["image_token_id"], boi=ids["boi_token_id"], eoi=ids["eoi_token_id"])
         if tokens.boi == tokens.image or tokens.eoi == tokens.image:
             raise ValueError(f"Gemma4MultimodalConfig: boi/eoi must differ from the image token, got {tokens}")
-        return cls(text=text, vision=vision, image_tokens=tokens, pad_token_id=pad)
+        audio = Gemma4AudioConfig.from_dict(raw) if has_audio_config(raw) else None
+        media = media_token_ids(raw, "Gemma4MultimodalConfig")
+        return cls(text=text, vision=vision, image_tokens=tokens, pad_token_id=pad, media_tokens=media, audio=audio)
 
     @property
     def max_position_embeddings(self) -> int:

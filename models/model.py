@@ -13,6 +13,7 @@ from cache import cache_offset
 from models.generation.generate import DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions, generate_tokens
 from models.processing.image_processor import DEFAULT_MAX_SOFT_TOKENS, Gemma4ImageProcessor, ImageInput, ProcessedImage
 from models.generation.prompts import Prompt, expand_image_placeholders
+from models.media import MediaMixin
 
 
 @dataclass
@@ -24,8 +25,8 @@ class Chunk:
     stats: GenerationStats
 
 
-class Model:
-    """What ``models.load`` returns; the examples use exactly these calls."""
+class Model(MediaMixin):
+    """What ``models.load`` returns; the examples use exactly these calls (audio and video: ``MediaMixin``)."""
 
     def __init__(self, graph, config, tokenizer, generation_config: dict, path: Path, model_type: str):
         self.graph = graph
@@ -108,13 +109,23 @@ class Model:
         prompt: str | Sequence[int],
         images: Sequence[ImageInput | ProcessedImage] = (),
         max_soft_tokens: int | None = None,
+        *,
+        audio: Sequence = (),
+        videos: Sequence = (),
     ) -> Prompt:
         """The prompt ready for the model: one image placeholder (``<|image|>``) per image, expanded to
-        ``boi`` + the image's soft tokens + ``eoi``, with the images' features attached."""
+        ``boi`` + the image's soft tokens + ``eoi``, with the images' features attached; likewise one
+        ``<|audio|>`` per audio clip and one ``<|video|>`` per video (``models.generation.media``)."""
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if audio or videos:
+            return self.media_prompt(ids, images, audio, videos, max_soft_tokens)
         if images:
             self._check_vision()
+            if hasattr(self.config, "media_tokens"):
+                self.placeholder_errors(ids)
             return expand_image_placeholders(ids, self.encode_images(images, max_soft_tokens), self.config.image_tokens)
+        if self.supports_images:
+            self.placeholder_errors(ids)
         if self.supports_images and self.config.image_tokens.image in ids:
             placeholder = self.config.image_tokens.image
             raise ValueError(
@@ -158,6 +169,8 @@ class Model:
         prompt: str | Sequence[int] | Prompt,
         *,
         images: Sequence = (),
+        audio: Sequence = (),
+        videos: Sequence = (),
         max_soft_tokens: int | None = None,
         cache=None,
         max_tokens: int = 256,
@@ -174,9 +187,9 @@ class Model:
         ``stats.finish_reason`` says why the answer ended (``"length"`` also when the context is full).
         """
         if not isinstance(prompt, Prompt):
-            prompt = self.prompt(prompt, images, max_soft_tokens)
-        elif images:
-            raise ValueError("stream: a Prompt already carries its images; pass images only with text or ids")
+            prompt = self.prompt(prompt, images, max_soft_tokens, audio=audio, videos=videos)
+        elif images or audio or videos:
+            raise ValueError("stream: a Prompt already carries its media; pass images, audio or videos only with text or ids")
         if kv_quantization is not None:
             kv_quantization.check_model(self.config, str(self.path))
         cache = self.make_cache() if cache is None else cache

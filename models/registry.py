@@ -58,6 +58,20 @@ def load_gemma4_vision_weights(tower, embedder, weights) -> None:
 def load_gemma4_multimodal_weights(graph, weights) -> None:
     load_gemma4_text_weights(graph.language_model, weights)
     load_gemma4_vision_weights(graph.vision_tower, graph.embed_vision, weights)
+    if graph.config.audio is not None:
+        load_gemma4_audio_weights(graph.audio_tower, graph.embed_audio, weights)
+
+
+def load_gemma4_audio_weights(tower, embedder, weights) -> None:
+    """A Gemma 4 audio tower and its embedder, strictly from a checkpoint's arrays."""
+    from weights.gemma4_audio_keys import map_gemma4_audio_weights
+    from weights.modules import load_mapped, parameter_shapes
+
+    mapped_tower, mapped_embedder = map_gemma4_audio_weights(
+        weights, parameter_shapes(tower), parameter_shapes(embedder), clipped=tower.config.use_clipped_linears
+    )
+    load_mapped(tower, mapped_tower, "gemma4 audio keys")
+    load_mapped(embedder, mapped_embedder, "gemma4 audio keys")
 
 
 def load_gemma3_text_weights(graph, weights) -> None:
@@ -117,8 +131,23 @@ def _gemma4(config: Mapping[str, Any], weight_names: Collection[str]) -> Archite
 
     from graphs.gemma4_multimodal import Gemma4MultimodalModel
     from graphs.gemma4_multimodal_config import Gemma4MultimodalConfig
+    from weights.gemma4_audio_keys import has_audio_weights
 
-    return Architecture(Gemma4MultimodalConfig.from_dict, Gemma4MultimodalModel, load_gemma4_multimodal_weights)
+    parse = Gemma4MultimodalConfig.from_dict
+    if config.get("audio_config") and not has_audio_weights(weight_names):
+        # A conversion that dropped the audio tower (mlx-vlm's text+vision ones): built without it,
+        # so audio is refused by name (Model.supports_audio is False), never silently ignored.
+        logger.info("gemma4 checkpoint with an audio_config but no audio tower weights: audio input is refused")
+        parse = _without_audio
+    return Architecture(parse, Gemma4MultimodalModel, load_gemma4_multimodal_weights)
+
+
+def _without_audio(raw: Mapping[str, Any]):
+    import dataclasses
+
+    from graphs.gemma4_multimodal_config import Gemma4MultimodalConfig
+
+    return dataclasses.replace(Gemma4MultimodalConfig.from_dict(raw), audio=None)
 
 
 def _gemma3_text(config: Mapping[str, Any], weight_names: Collection[str]) -> Architecture:

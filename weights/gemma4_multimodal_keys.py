@@ -3,8 +3,9 @@
 The text and vision mappings each know their layouts (transformers ``model.language_model.*`` /
 ``model.vision_tower.*`` / ``model.embed_vision.*``, and the MLX converters' ``language_model.model.*``
 / ``vision_tower.*`` / ``embed_vision.*``) and are strict about their own keys: the text mapping
-drops exactly the vision and audio parts, the vision mapping reads only its prefixes. Together
-every key is accounted for once; the audio tower is not built and its weights are dropped.
+drops exactly the vision and audio parts, the vision mapping reads only its prefixes, the audio
+mapping (``weights.gemma4_audio_keys``) its own. Together every key is accounted for once; a
+checkpoint whose weights lack the audio tower is built without it (audio is then refused).
 """
 
 from __future__ import annotations

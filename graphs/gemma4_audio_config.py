@@ -1,0 +1,202 @@
+"""The Gemma 4 audio tower's configuration (transformers 5.24 ``Gemma4AudioConfig``) and the media token ids.
+
+E2B and E4B checkpoints carry an ``audio_config`` inside their ``gemma4`` config; transformers
+saves a bare ``Gemma4AudioModel`` as ``gemma4_audio``. Every field is type-checked
+(``graphs.config.read_fields``); values the graph does not implement (another activation, a
+subsampling stack that is not the reference's two convolutions) are refused here rather than run.
+
+Fields are read with a local ``read_fields`` of the same contract as ``graphs.config`` (which is
+being introduced beside this module; switch to it once it is committed).
+
+``MediaTokenIds`` are the ids that place audio and video in a prompt (the image ids live in
+``graphs.gemma4_multimodal_config.ImageTokenIds``): defaults are transformers' ``Gemma4Config``'s,
+which are the released tokenizer's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import math
+
+OWNER = "Gemma4AudioConfig"
+
+
+class ConfigError(ValueError):
+    """A config value the audio graph cannot be built from (names the key and the value)."""
+
+
+@dataclass(frozen=True)
+class Kind:
+    expected: str
+    accepts: Callable[[Any], bool]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+POSITIVE_INT = Kind("a positive int", lambda v: _is_int(v) and v > 0)
+TOKEN_ID = Kind("a token id (an int >= 0)", lambda v: _is_int(v) and v >= 0)
+POSITIVE_FLOAT = Kind("a positive finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0)
+BOOL = Kind("true or false", lambda v: isinstance(v, bool))
+TEXT = Kind("a string", lambda v: isinstance(v, str))
+
+
+def read_fields(raw: Mapping[str, Any], defaults: Mapping[str, Any], kinds: Mapping[str, Kind], owner: str) -> dict[str, Any]:
+    out = {}
+    for name, default in defaults.items():
+        value = raw.get(name, default)
+        if not kinds[name].accepts(value):
+            raise ConfigError(f"{owner}: {name} must be {kinds[name].expected}, got {value!r} ({type(value).__name__})")
+        out[name] = value
+    return out
+
+
+def _audio_section(raw: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{OWNER}: the config must be a JSON object, got {type(raw).__name__}")
+    if raw.get("model_type") == "gemma4_audio":
+        return dict(raw)
+    if raw.get("model_type") != "gemma4":
+        raise ConfigError(f"{OWNER}: unsupported model_type {raw.get('model_type')!r}; expected 'gemma4_audio' or 'gemma4'")
+    inner = raw.get("audio_config")
+    if not isinstance(inner, Mapping) or not inner:
+        raise ConfigError(f"{OWNER}: this gemma4 config has no audio_config")
+    if inner.get("model_type", "gemma4_audio") != "gemma4_audio":
+        raise ConfigError(f"{OWNER}: unsupported audio_config model_type {inner.get('model_type')!r}; expected 'gemma4_audio'")
+    return dict(inner)
+SUPPORTED_ACTIVATIONS = ("silu",)
+NON_NEGATIVE_INT = Kind("an int >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+NUMBER = Kind("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
+
+# transformers 5.24's Gemma4AudioConfig defaults for every field the graph reads.
+_DEFAULTS: dict[str, Any] = dict(
+    hidden_size=1024,
+    num_hidden_layers=12,
+    num_attention_heads=8,
+    hidden_act="silu",
+    conv_kernel_size=5,
+    residual_weight=0.5,
+    attention_chunk_size=12,
+    attention_context_left=13,
+    attention_context_right=0,
+    attention_logit_cap=50.0,
+    attention_invalid_logits_value=-1.0e9,
+    use_clipped_linears=True,
+    rms_norm_eps=1e-6,
+    gradient_clipping=1e10,
+    output_proj_dims=1536,
+)
+_KINDS: dict[str, Kind] = dict(
+    hidden_size=POSITIVE_INT,
+    num_hidden_layers=POSITIVE_INT,
+    num_attention_heads=POSITIVE_INT,
+    hidden_act=TEXT,
+    conv_kernel_size=POSITIVE_INT,
+    residual_weight=NUMBER,
+    attention_chunk_size=POSITIVE_INT,
+    attention_context_left=POSITIVE_INT,
+    attention_context_right=NON_NEGATIVE_INT,
+    attention_logit_cap=POSITIVE_FLOAT,
+    attention_invalid_logits_value=NUMBER,
+    use_clipped_linears=BOOL,
+    rms_norm_eps=POSITIVE_FLOAT,
+    gradient_clipping=POSITIVE_FLOAT,
+    output_proj_dims=POSITIVE_INT,
+)
+_DEFAULT_CHANNELS = (128, 32)
+# The log-mel bins the subsampling convolutions read: the reference sizes its projection as
+# ``channels[0] // 4 * channels[1]``, which is the flattened (bins / 4) x channels[1] only when
+# channels[0] equals the feature size (128 in every release).
+FEATURE_SIZE = 128
+
+
+@dataclass(frozen=True)
+class Gemma4AudioConfig:
+    """The fields of transformers' ``Gemma4AudioConfig`` that shape the audio graph."""
+
+    hidden_size: int = _DEFAULTS["hidden_size"]
+    num_hidden_layers: int = _DEFAULTS["num_hidden_layers"]
+    num_attention_heads: int = _DEFAULTS["num_attention_heads"]
+    hidden_act: str = _DEFAULTS["hidden_act"]
+    subsampling_conv_channels: tuple[int, int] = _DEFAULT_CHANNELS
+    conv_kernel_size: int = _DEFAULTS["conv_kernel_size"]
+    residual_weight: float = _DEFAULTS["residual_weight"]
+    attention_chunk_size: int = _DEFAULTS["attention_chunk_size"]
+    attention_context_left: int = _DEFAULTS["attention_context_left"]
+    attention_context_right: int = _DEFAULTS["attention_context_right"]
+    attention_logit_cap: float = _DEFAULTS["attention_logit_cap"]
+    attention_invalid_logits_value: float = _DEFAULTS["attention_invalid_logits_value"]
+    use_clipped_linears: bool = _DEFAULTS["use_clipped_linears"]
+    rms_norm_eps: float = _DEFAULTS["rms_norm_eps"]
+    gradient_clipping: float = _DEFAULTS["gradient_clipping"]
+    output_proj_dims: int = _DEFAULTS["output_proj_dims"]
+
+    def __post_init__(self) -> None:
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(f"{OWNER}: unsupported hidden_act {self.hidden_act!r}; supported: {SUPPORTED_ACTIVATIONS}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"{OWNER}: hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}")
+        first, second = self.subsampling_conv_channels
+        if first != FEATURE_SIZE or second < 1:
+            raise ValueError(
+                f"{OWNER}: subsampling_conv_channels[0] must be {FEATURE_SIZE} (the reference sizes its input "
+                f"projection as channels[0] // 4 * channels[1], the flattened 128 / 4 mel bins), got {list(self.subsampling_conv_channels)}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def context_size(self) -> int:
+        """Keys each chunk of queries reads: the chunk, ``left - 1`` before it and ``right`` after it."""
+        return self.attention_chunk_size + self.attention_context_left - 1 + self.attention_context_right
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "Gemma4AudioConfig":
+        """Parse ``gemma4_audio``, or ``gemma4`` with an ``audio_config`` inside (required)."""
+        audio = _audio_section(raw)
+        fields = read_fields(audio, _DEFAULTS, _KINDS, OWNER)
+        channels = audio.get("subsampling_conv_channels", list(_DEFAULT_CHANNELS))
+        if not isinstance(channels, (list, tuple)) or len(channels) != 2 or not all(POSITIVE_INT.accepts(c) for c in channels):
+            raise ConfigError(f"{OWNER}: subsampling_conv_channels must be two positive ints, got {channels!r}")
+        return cls(subsampling_conv_channels=(int(channels[0]), int(channels[1])), **fields)
+
+
+def has_audio_config(raw: Mapping[str, Any]) -> bool:
+    return raw.get("model_type") == "gemma4" and bool(raw.get("audio_config"))
+
+
+@dataclass(frozen=True)
+class MediaTokenIds:
+    """The ids that frame audio clips and video frames in a prompt.
+
+    An audio clip is ``boa`` + n ``audio`` + ``eoa``; a video frame is its ``mm:ss`` timestamp text,
+    ``boi`` + n ``video`` + ``eoi`` (the image ids frame video frames too).
+    """
+
+    audio: int  # the clip placeholder before expansion, and every audio soft-token position after it
+    boa: int
+    eoa: int
+    video: int  # the video placeholder before expansion, and every frame soft-token position after it
+
+
+# transformers 5.24's Gemma4Config defaults (the released tokenizer's ids). The config spells the
+# end-of-audio id ``eoa_token_index``; ``eoa_token_id`` is read too when a conversion renamed it.
+_MEDIA_DEFAULTS = {"audio_token_id": 258_881, "boa_token_id": 256_000, "eoa_token_index": 258_883, "video_token_id": 258_884}
+
+
+def media_token_ids(raw: Mapping[str, Any], owner: str) -> MediaTokenIds:
+    """The audio/video ids of a ``gemma4`` config (defaults when absent), each checked to be a token id.
+
+    They are not checked against the vocabulary here: a small test vocabulary keeps the released
+    defaults it never uses; ``Model`` refuses audio or video whose ids fall outside it."""
+    fields = dict(raw)
+    if "eoa_token_index" not in fields and "eoa_token_id" in fields:
+        fields["eoa_token_index"] = fields["eoa_token_id"]
+    ids = read_fields(fields, _MEDIA_DEFAULTS, dict.fromkeys(_MEDIA_DEFAULTS, TOKEN_ID), owner)
+    return MediaTokenIds(audio=ids["audio_token_id"], boa=ids["boa_token_id"], eoa=ids["eoa_token_index"], video=ids["video_token_id"])
+

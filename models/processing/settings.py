@@ -1,0 +1,151 @@
+"""The checkpoint's preprocessing settings: ``processor_config.json`` / ``preprocessor_config.json``.
+
+A Gemma 4 checkpoint says how its inputs were prepared: the image processor's budget and patch
+size, the video processor's frame count and budget, the audio feature extractor's mel settings
+(sampling rate, frame and hop length, per-bin normalisation, ...) and the processor's
+``audio_seq_length`` / ``audio_ms_per_token`` / ``image_seq_length``. Other MLX ports read none of
+it, and a conversion that lacks it silently gets whatever their code assumes. Here:
+
+* a setting found in the folder is used; a missing one takes transformers 5.24's default
+  (``Gemma4ImageProcessor``, ``Gemma4VideoProcessor``, ``Gemma4AudioFeatureExtractor``,
+  ``Gemma4Processor``), and ``source`` records which file, if any, each part came from;
+* a setting our processors do not implement with the value given (a non-identity image
+  normalisation, another resampling filter, 64 mel bins for a tower that reads 128) raises
+  ``ProcessorSettingsError`` naming the file and the key, instead of being ignored.
+
+``processor_config.json`` nests the parts (``image_processor``, ``video_processor``,
+``feature_extractor``) beside the processor's own keys; ``preprocessor_config.json`` is either a
+flat single part (told apart by its ``*_type`` key) or the same nesting. Both files may exist;
+``processor_config.json`` wins where both give a value.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+FILES = ("preprocessor_config.json", "processor_config.json")  # later files override earlier ones
+
+
+class ProcessorSettingsError(ValueError):
+    """A preprocessing setting of the checkpoint that our processors cannot honour (the message names it)."""
+
+
+# transformers 5.24 defaults.
+IMAGE_DEFAULTS: dict[str, Any] = dict(
+    max_soft_tokens=280, patch_size=16, pooling_kernel_size=3, do_resize=True, do_rescale=True,
+    rescale_factor=1 / 255, do_normalize=False, image_mean=[0.0, 0.0, 0.0], image_std=[1.0, 1.0, 1.0],
+    do_convert_rgb=True, resample=3,
+)  # fmt: skip
+VIDEO_DEFAULTS: dict[str, Any] = dict(
+    max_soft_tokens=70, patch_size=16, pooling_kernel_size=3, num_frames=32, do_sample_frames=True, fps=None,
+    do_resize=True, do_rescale=True, rescale_factor=1 / 255, do_normalize=True, image_mean=[0.0, 0.0, 0.0],
+    image_std=[1.0, 1.0, 1.0], do_convert_rgb=True, resample=3,
+)  # fmt: skip
+AUDIO_DEFAULTS: dict[str, Any] = dict(
+    feature_size=128, sampling_rate=16_000, padding_value=0.0, frame_length_ms=20.0, hop_length_ms=10.0,
+    min_frequency=0.0, max_frequency=8000.0, preemphasis=0.0, preemphasis_htk_flavor=True, fft_overdrive=False,
+    dither=0.0, input_scale_factor=1.0, mel_floor=1e-3, per_bin_mean=None, per_bin_stddev=None,
+)  # fmt: skip
+PROCESSOR_DEFAULTS: dict[str, Any] = dict(image_seq_length=280, audio_seq_length=750, audio_ms_per_token=40)
+
+_PARTS = {"image_processor": "image", "video_processor": "video", "feature_extractor": "audio"}
+_TYPES = {"image_processor_type": "image", "video_processor_type": "video", "feature_extractor_type": "audio"}
+# Keys that only describe the file, never change a value.
+_BOOKKEEPING = {"image_processor_type", "video_processor_type", "feature_extractor_type", "processor_class",
+                "return_attention_mask", "padding_side", "input_data_format", "data_format", "device",
+                "return_tensors", "return_metadata", "default_to_square", "size", "crop_size", "do_center_crop",
+                "do_pad", "video_metadata"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ProcessorSettings:
+    """The effective settings of each part, and where each came from (``"default"`` or a file name)."""
+
+    image: dict = field(default_factory=lambda: dict(IMAGE_DEFAULTS))
+    video: dict = field(default_factory=lambda: dict(VIDEO_DEFAULTS))
+    audio: dict = field(default_factory=lambda: dict(AUDIO_DEFAULTS))
+    processor: dict = field(default_factory=lambda: dict(PROCESSOR_DEFAULTS))
+    source: dict = field(default_factory=lambda: dict.fromkeys(("image", "video", "audio", "processor"), "default"))
+
+    @classmethod
+    def from_folder(cls, folder: str | Path | None) -> "ProcessorSettings":
+        """Read the folder's settings files (reference defaults for whatever they do not say)."""
+        found: dict[str, dict] = {"image": {}, "video": {}, "audio": {}, "processor": {}}
+        source = dict.fromkeys(found, "default")
+        if folder is not None:
+            for name in FILES:
+                path = Path(folder) / name
+                if not path.is_file():
+                    continue
+                try:
+                    raw = json.loads(path.read_text())
+                except (OSError, json.JSONDecodeError) as err:
+                    raise ProcessorSettingsError(f"{path}: cannot read the preprocessing settings ({err})") from err
+                if not isinstance(raw, Mapping):
+                    raise ProcessorSettingsError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+                for part, values in _split(raw).items():
+                    if values:
+                        found[part].update(values)
+                        source[part] = name
+        settings = cls(
+            image={**IMAGE_DEFAULTS, **_known(found["image"], IMAGE_DEFAULTS)},
+            video={**VIDEO_DEFAULTS, **_known(found["video"], VIDEO_DEFAULTS)},
+            audio={**AUDIO_DEFAULTS, **_known(found["audio"], AUDIO_DEFAULTS)},
+            processor={**PROCESSOR_DEFAULTS, **_known(found["processor"], PROCESSOR_DEFAULTS)},
+            source=source,
+        )
+        settings._check(found, folder)
+        return settings
+
+    def _check(self, found: dict[str, dict], folder) -> None:
+        for part, defaults in (("image", IMAGE_DEFAULTS), ("video", VIDEO_DEFAULTS), ("audio", AUDIO_DEFAULTS)):
+            unknown = sorted(set(found[part]) - set(defaults) - _BOOKKEEPING)
+            if unknown:
+                raise ProcessorSettingsError(
+                    f"{self.source[part]} in {folder}: {part} settings {unknown} are not implemented here "
+                    f"(implemented: {sorted(defaults)}); refusing rather than ignoring them"
+                )
+        for part in ("image", "video"):
+            values = self.__dict__[part]
+            scale = float(values["rescale_factor"]) if values["do_rescale"] else 1.0
+            mean = [float(m) for m in values["image_mean"]] if values["do_normalize"] else [0.0] * 3
+            std = [float(s) for s in values["image_std"]] if values["do_normalize"] else [1.0] * 3
+            if abs(scale - 1 / 255) > 1e-12 or mean != [0.0] * 3 or std != [1.0] * 3 or not values["do_resize"]:
+                raise ProcessorSettingsError(
+                    f"{self.source[part]} in {folder}: the {part} processor must rescale by 1/255 without "
+                    f"normalisation and resize (Gemma 4's settings); got do_rescale={values['do_rescale']}, "
+                    f"rescale_factor={values['rescale_factor']}, do_normalize={values['do_normalize']}, "
+                    f"image_mean={values['image_mean']}, image_std={values['image_std']}, do_resize={values['do_resize']}"
+                )
+            if values["resample"] not in (3, "bicubic", "BICUBIC"):
+                raise ProcessorSettingsError(f"{self.source[part]} in {folder}: {part} resample must be bicubic (3), got {values['resample']!r}")
+        if self.audio["feature_size"] != 128:
+            raise ProcessorSettingsError(
+                f"{self.source['audio']} in {folder}: feature_size {self.audio['feature_size']} mel bins; the Gemma 4 audio tower reads 128"
+            )
+        if self.video["fps"] is not None and self.video["num_frames"] is not None:
+            raise ProcessorSettingsError(f"{self.source['video']} in {folder}: num_frames and fps are mutually exclusive (as in transformers)")
+
+
+def _split(raw: Mapping[str, Any]) -> dict[str, dict]:
+    """``{part: values}`` of one settings file (nested parts, or one flat part named by its type key)."""
+    out: dict[str, dict] = {"image": {}, "video": {}, "audio": {}, "processor": {}}
+    nested = False
+    for key, part in _PARTS.items():
+        if isinstance(raw.get(key), Mapping):
+            out[part].update(raw[key])
+            nested = True
+    flat_part = next((part for key, part in _TYPES.items() if key in raw), None)
+    rest = {k: v for k, v in raw.items() if k not in _PARTS}
+    if flat_part is not None and not nested:
+        out[flat_part].update(rest)
+    else:
+        out["processor"].update({k: v for k, v in rest.items() if k in PROCESSOR_DEFAULTS})
+    return out
+
+
+def _known(values: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict:
+    return {k: v for k, v in values.items() if k in defaults}
