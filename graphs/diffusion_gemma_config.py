@@ -14,6 +14,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from graphs.config import (
+    BOOL, POSITIVE_FLOAT, POSITIVE_INT, TOKEN_ID, ConfigError, Kind, check_value, optional, read_fields, text_section,
+)
 from graphs.gemma4_text_config import Gemma4TextConfig
 from graphs.gemma4_vision_config import Gemma4VisionConfig
 
@@ -30,7 +33,21 @@ _HARD_WIRED = dict(
 )
 _IGNORED_TEXT_FIELDS = (*_HARD_WIRED, "vocab_size_per_layer_input", "use_cache")
 DEFAULT_SOFTCAP = 30.0  # a class attribute of DiffusionGemmaTextConfig, not written to config.json
-_MODEL_DEFAULTS = dict(canvas_length=256, image_token_id=258_880, boi_token_id=255_999, eoi_token_id=258_882)
+_MODEL_DEFAULTS = dict(
+    canvas_length=256, image_token_id=258_880, boi_token_id=255_999, eoi_token_id=258_882, tie_word_embeddings=True
+)
+_MODEL_KINDS = dict(
+    canvas_length=POSITIVE_INT, image_token_id=TOKEN_ID, boi_token_id=optional(TOKEN_ID), eoi_token_id=optional(TOKEN_ID),
+    tie_word_embeddings=BOOL,
+)
+# The special ids the text config names (transformers' DiffusionGemmaTextConfig defaults).
+_TEXT_ID_DEFAULTS = dict(pad_token_id=0, bos_token_id=2, eos_token_id=1)
+_TOKEN_IDS = Kind(
+    "a token id, a list of token ids or null",
+    lambda v: v is None or TOKEN_ID.accepts(v) or (isinstance(v, list) and all(TOKEN_ID.accepts(i) for i in v)),
+)
+_TEXT_ID_KINDS = dict(pad_token_id=optional(TOKEN_ID), bos_token_id=optional(TOKEN_ID), eos_token_id=_TOKEN_IDS)
+OWNER = "DiffusionGemmaConfig"
 
 
 @dataclass(frozen=True)
@@ -58,16 +75,19 @@ class DiffusionGemmaConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "DiffusionGemmaConfig":
-        if raw.get("model_type") != "diffusion_gemma":
-            raise ValueError(f"DiffusionGemmaConfig: unsupported model_type {raw.get('model_type')!r}; expected 'diffusion_gemma'")
-        if raw.get("tie_word_embeddings", True) is False:
+        """Parse a ``diffusion_gemma`` ``config.json``; every field is type-checked
+        (``graphs.config``), the text stack by ``Gemma4TextConfig``."""
+        if not isinstance(raw, Mapping) or raw.get("model_type") != "diffusion_gemma":
+            found = raw.get("model_type") if isinstance(raw, Mapping) else raw
+            raise ConfigError(f"DiffusionGemmaConfig: unsupported model_type {found!r}; expected 'diffusion_gemma'")
+        model = read_fields(raw, _MODEL_DEFAULTS, _MODEL_KINDS, OWNER)
+        if model.pop("tie_word_embeddings") is False:
             raise ValueError(
                 "DiffusionGemmaConfig: tie_word_embeddings=False unties the encoder from the decoder (two weight "
                 "sets); only the released tied layout is implemented"
             )
-        text = dict(raw.get("text_config") or {})
-        if text.get("model_type", "diffusion_gemma_text") != "diffusion_gemma_text":
-            raise ValueError(f"DiffusionGemmaConfig: text_config has model_type {text.get('model_type')!r}, expected 'diffusion_gemma_text'")
+        text = text_section(raw, "diffusion_gemma", "diffusion_gemma_text", OWNER)
+        ids = read_fields(text, _TEXT_ID_DEFAULTS, _TEXT_ID_KINDS, OWNER)
         if text.get("use_bidirectional_attention") == "all":
             raise ValueError(
                 "DiffusionGemmaConfig: use_bidirectional_attention='all' (a bidirectional encoder) is not implemented; "
@@ -78,21 +98,22 @@ class DiffusionGemmaConfig:
             if name in _HARD_WIRED and value is not None and value != _HARD_WIRED[name]:
                 logger.warning("DiffusionGemmaConfig: ignoring text_config.%s=%r, as transformers does (DiffusionGemma hard-wires %r)",
                                name, value, _HARD_WIRED[name])  # fmt: skip
-        softcap = text.pop("final_logit_softcapping", DEFAULT_SOFTCAP)
-        if not softcap or softcap <= 0:
-            raise ValueError(f"DiffusionGemmaConfig: final_logit_softcapping must be a positive number, got {softcap!r}")
+        softcap = check_value(text.pop("final_logit_softcapping", DEFAULT_SOFTCAP), POSITIVE_FLOAT, "final_logit_softcapping", OWNER)
         text_config = Gemma4TextConfig.from_dict(
             {**text, **_HARD_WIRED, "model_type": "gemma4_text", "final_logit_softcapping": float(softcap)}
         )
-        model = {name: raw.get(name, default) for name, default in _MODEL_DEFAULTS.items()}
-        if not isinstance(model["canvas_length"], int) or model["canvas_length"] < 1:
-            raise ValueError(f"DiffusionGemmaConfig: canvas_length must be a positive int, got {model['canvas_length']!r}")
+        vision = Gemma4VisionConfig.from_dict(raw) if raw.get("vision_config") else None
+        if vision is not None:
+            image_ids = {name: model[name] for name in ("image_token_id", "boi_token_id", "eoi_token_id")}
+            outside = {name: value for name, value in image_ids.items() if value is not None and value >= text_config.vocab_size}
+            if outside:
+                raise ConfigError(f"DiffusionGemmaConfig: {outside} must be ids below the vocabulary size {text_config.vocab_size}")
         return cls(
             text=text_config,
-            vision=Gemma4VisionConfig.from_dict(raw) if raw.get("vision_config") else None,
-            pad_token_id=text.get("pad_token_id", 0),
-            bos_token_id=text.get("bos_token_id", 2),
-            eos_token_id=token_ids(text.get("eos_token_id", 1)),
+            vision=vision,
+            pad_token_id=ids["pad_token_id"],
+            bos_token_id=ids["bos_token_id"],
+            eos_token_id=token_ids(ids["eos_token_id"]),
             **model,
         )
 

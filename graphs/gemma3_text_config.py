@@ -13,6 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from graphs.config import (
+    BOOL, POSITIVE_FLOAT, POSITIVE_INT, TEXT, ConfigError, Kind, check_value, optional, read_fields, text_section,
+)
+
+OWNER = "Gemma3TextConfig"
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
@@ -41,6 +46,24 @@ _DEFAULTS: dict[str, Any] = dict(
     query_pre_attn_scalar=256,
     sliding_window=4096,
     final_logit_softcapping=None,
+)
+# What each field may hold (graphs.config): a wrong kind is refused naming the key, not run.
+_KINDS: dict[str, Kind] = dict(
+    vocab_size=POSITIVE_INT,
+    hidden_size=POSITIVE_INT,
+    intermediate_size=POSITIVE_INT,
+    num_hidden_layers=POSITIVE_INT,
+    num_attention_heads=POSITIVE_INT,
+    num_key_value_heads=POSITIVE_INT,
+    head_dim=POSITIVE_INT,
+    hidden_activation=TEXT,
+    max_position_embeddings=POSITIVE_INT,
+    rms_norm_eps=POSITIVE_FLOAT,
+    tie_word_embeddings=BOOL,
+    attention_bias=BOOL,
+    query_pre_attn_scalar=POSITIVE_FLOAT,
+    sliding_window=optional(POSITIVE_INT),  # null only without sliding layers (checked in _validate)
+    final_logit_softcapping=optional(POSITIVE_FLOAT),
 )
 
 # Keys that change the maths in ways the graph does not build; a config that sets them is refused.
@@ -80,31 +103,24 @@ class Gemma3TextConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "Gemma3TextConfig":
-        """Parse a ``config.json`` dict: ``gemma3_text``, or ``gemma3`` with a ``text_config`` inside."""
-        model_type = raw.get("model_type")
-        if model_type == "gemma3":
-            text = dict(raw.get("text_config") or {})
-            inner_type = text.get("model_type", "gemma3_text")
-            if inner_type != "gemma3_text":
-                raise ValueError(f"Gemma3TextConfig: unsupported text_config model_type {inner_type!r} inside gemma3")
-        elif model_type == "gemma3_text":
-            text = dict(raw)
-        else:
-            raise ValueError(f"Gemma3TextConfig: unsupported model_type {model_type!r}; expected 'gemma3_text' or 'gemma3'")
-        return cls._from_text_dict(text)
+        """Parse a ``config.json`` dict: ``gemma3_text``, or ``gemma3`` with a ``text_config`` inside.
+
+        Every field is type-checked (``graphs.config.read_fields``); a wrong value raises
+        ``ConfigError`` naming the key."""
+        return cls._from_text_dict(text_section(raw, "gemma3", "gemma3_text", OWNER))
 
     @classmethod
     def _from_text_dict(cls, text: dict) -> "Gemma3TextConfig":
         for key, inert in _REFUSED.items():
             if text.get(key, inert) not in (inert, None):
                 raise ValueError(f"Gemma3TextConfig: {key}={text[key]!r} is not supported by the graph (only {inert!r})")
-        fields = {name: text.get(name, default) for name, default in _DEFAULTS.items()}
+        fields = read_fields(text, _DEFAULTS, _KINDS, OWNER)
         if fields["hidden_activation"] not in SUPPORTED_ACTIVATIONS:
             raise ValueError(
                 f"Gemma3TextConfig: unsupported hidden_activation {fields['hidden_activation']!r}; "
                 f"supported: {SUPPORTED_ACTIVATIONS}"
             )
-        L = int(fields["num_hidden_layers"])
+        L = fields["num_hidden_layers"]
         pattern = text.get("sliding_window_pattern", DEFAULT_SLIDING_WINDOW_PATTERN)
         config = cls(
             layer_types=_layer_types(text.get("layer_types"), L, pattern),
@@ -132,9 +148,10 @@ class Gemma3TextConfig:
 def _layer_types(given, num_layers: int, pattern) -> tuple[str, ...]:
     """The given list, or transformers' default: every ``pattern``-th layer full, the others sliding."""
     if given is None:
-        if not isinstance(pattern, int) or pattern < 1:
-            raise ValueError(f"Gemma3TextConfig: sliding_window_pattern must be a positive int, got {pattern!r}")
+        check_value(pattern, POSITIVE_INT, "sliding_window_pattern", OWNER)
         return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
+    if not isinstance(given, (list, tuple)) or not all(isinstance(t, str) for t in given):
+        raise ConfigError(f"Gemma3TextConfig: layer_types must be a list of layer type names, got {given!r}")
     types = tuple(given)
     if len(types) != num_layers:
         raise ValueError(f"Gemma3TextConfig: layer_types has {len(types)} entries for {num_layers} layers")
@@ -152,14 +169,24 @@ def _rope_parameters(text: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     then from the defaults 1e6 / 1e4.
     """
     given = text.get("rope_parameters") or {}
+    if not isinstance(given, Mapping):
+        raise ConfigError(f"Gemma3TextConfig: rope_parameters must be a JSON object keyed by layer type, got {given!r}")
     if given and not set(given) <= set(LAYER_TYPES):
         raise ValueError(
             f"Gemma3TextConfig: rope_parameters must be keyed by layer type {LAYER_TYPES}, got keys {sorted(given)}"
         )
+    for layer_type, entry in given.items():
+        if entry is not None and not isinstance(entry, Mapping):
+            raise ConfigError(f"Gemma3TextConfig: rope_parameters[{layer_type!r}] must be a JSON object, got {entry!r}")
     params = {t: dict(given.get(t) or {"rope_type": "default"}) for t in LAYER_TYPES}
     if text.get("rope_scaling"):
+        if not isinstance(text["rope_scaling"], Mapping):
+            raise ConfigError(f"Gemma3TextConfig: rope_scaling must be a JSON object or null, got {text['rope_scaling']!r}")
         params[FULL].update(text["rope_scaling"])
-    fallback_theta = {FULL: text.get("rope_theta"), SLIDING: text.get("rope_local_base_freq")}
+    fallback_theta = {
+        FULL: check_value(text.get("rope_theta"), optional(POSITIVE_FLOAT), "rope_theta", OWNER),
+        SLIDING: check_value(text.get("rope_local_base_freq"), optional(POSITIVE_FLOAT), "rope_local_base_freq", OWNER),
+    }
     resolved = {}
     for layer_type, entry in params.items():
         rope_type = entry.get("rope_type", entry.get("type", "default"))
@@ -167,7 +194,10 @@ def _rope_parameters(text: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             raise ValueError(
                 f"Gemma3TextConfig: unsupported rope_type {rope_type!r} for {layer_type}; supported: {SUPPORTED_ROPE_TYPES}"
             )
-        theta = entry.get("rope_theta") or fallback_theta[layer_type] or DEFAULT_THETA[layer_type]
+        theta = entry.get("rope_theta")
+        if theta is not None:
+            check_value(theta, POSITIVE_FLOAT, f"rope_parameters[{layer_type!r}].rope_theta", OWNER)
+        theta = theta or fallback_theta[layer_type] or DEFAULT_THETA[layer_type]
         out = {"rope_type": rope_type, "rope_theta": float(theta)}
         if rope_type == "linear":
             factor = entry.get("factor")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from graphs.config import TOKEN_ID, ConfigError, read_fields, text_section
 from graphs.gemma4_audio_config import Gemma4AudioConfig, MediaTokenIds, has_audio_config, media_token_ids
 from graphs.gemma4_text_config import Gemma4TextConfig
 from graphs.gemma4_vision_config import Gemma4VisionConfig
@@ -42,13 +43,13 @@ class Gemma4MultimodalConfig:
         """Parse a ``gemma4`` ``config.json`` that has a ``vision_config``."""
         text = Gemma4TextConfig.from_dict(raw)
         vision = Gemma4VisionConfig.from_dict(raw)
-        ids = {name: raw.get(name, default) for name, default in _DEFAULT_IDS.items()}
-        for name, value in ids.items():
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"Gemma4MultimodalConfig: {name} must be a token id, got {value!r}")
-        pad = (raw.get("text_config") or {}).get("pad_token_id", _DEFAULT_PAD_TOKEN_ID)
-        if not isinstance(pad, int) or not 0 <= pad < text.vocab_size:
+        ids = read_fields(raw, _DEFAULT_IDS, dict.fromkeys(_DEFAULT_IDS, TOKEN_ID), "Gemma4MultimodalConfig")
+        pad = text_section(raw, "gemma4", "gemma4_text", "Gemma4MultimodalConfig").get("pad_token_id", _DEFAULT_PAD_TOKEN_ID)
+        if not TOKEN_ID.accepts(pad) or pad >= text.vocab_size:
             raise ValueError(f"Gemma4MultimodalConfig: text_config.pad_token_id must be an id below {text.vocab_size}, got {pad!r}")
+        outside = {name: value for name, value in ids.items() if value >= text.vocab_size}
+        if outside:
+            raise ConfigError(f"Gemma4MultimodalConfig: {outside} must be ids below the vocabulary size {text.vocab_size}")
         tokens = ImageTokenIds(image=ids["image_token_id"], boi=ids["boi_token_id"], eoi=ids["eoi_token_id"])
         if tokens.boi == tokens.image or tokens.eoi == tokens.image:
             raise ValueError(f"Gemma4MultimodalConfig: boi/eoi must differ from the image token, got {tokens}")

@@ -11,6 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from graphs.config import (
+    BOOL, POSITIVE_FLOAT, POSITIVE_INT, NON_NEGATIVE_INT, TEXT, ConfigError, Kind, check_value, one_of, optional,
+    read_fields, text_section,
+)
+
+OWNER = "Gemma4TextConfig"
 SLIDING = "sliding_attention"
 FULL = "full_attention"
 LAYER_TYPES = (SLIDING, FULL)
@@ -52,7 +58,36 @@ _DEFAULTS: dict[str, Any] = dict(
     moe_intermediate_size=None,
     max_position_embeddings=131_072,
 )
+# What each field may hold (graphs.config): a wrong kind is refused naming the key, not run.
+_KINDS: dict[str, Kind] = dict(
+    vocab_size=POSITIVE_INT,
+    hidden_size=POSITIVE_INT,
+    intermediate_size=POSITIVE_INT,
+    num_hidden_layers=POSITIVE_INT,
+    num_attention_heads=POSITIVE_INT,
+    num_key_value_heads=POSITIVE_INT,
+    head_dim=POSITIVE_INT,
+    hidden_activation=TEXT,
+    rms_norm_eps=POSITIVE_FLOAT,
+    tie_word_embeddings=BOOL,
+    attention_bias=BOOL,
+    sliding_window=NON_NEGATIVE_INT,  # 0 is what transformers writes for window 1 under "all"; checked after
+    final_logit_softcapping=optional(POSITIVE_FLOAT),
+    use_bidirectional_attention=one_of(None, "vision", "all"),
+    vocab_size_per_layer_input=POSITIVE_INT,
+    hidden_size_per_layer_input=NON_NEGATIVE_INT,  # 0: no per-layer inputs
+    attention_k_eq_v=BOOL,
+    num_kv_shared_layers=NON_NEGATIVE_INT,
+    enable_moe_block=BOOL,
+    use_double_wide_mlp=BOOL,
+    num_experts=optional(POSITIVE_INT),
+    top_k_experts=optional(POSITIVE_INT),
+    moe_intermediate_size=optional(POSITIVE_INT),
+    max_position_embeddings=POSITIVE_INT,
+)
 _GLOBAL_HEAD_DIM_DEFAULT = 512
+# partial_rotary_factor and factor of a proportional RoPE entry: the share of pairs rotated, the period scale.
+_ROTARY_FRACTION = Kind("a number in (0, 1]", lambda v: POSITIVE_FLOAT.accepts(v) and v <= 1)
 
 
 @dataclass(frozen=True)
@@ -112,34 +147,22 @@ class Gemma4TextConfig:
     # ------------------------------------------------------------------------------ parsing
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "Gemma4TextConfig":
-        """Parse a ``config.json`` dict: ``gemma4_text``, or ``gemma4`` with a ``text_config`` inside."""
-        model_type = raw.get("model_type")
-        if model_type == "gemma4":
-            text = dict(raw.get("text_config") or {})
-            inner_type = text.get("model_type", "gemma4_text")
-            if inner_type != "gemma4_text":
-                raise ValueError(f"Gemma4TextConfig: unsupported text_config model_type {inner_type!r} inside gemma4")
-        elif model_type == "gemma4_text":
-            text = dict(raw)
-        else:
-            raise ValueError(
-                f"Gemma4TextConfig: unsupported model_type {model_type!r}; expected 'gemma4_text' or 'gemma4'"
-            )
-        return cls._from_text_dict(text)
+        """Parse a ``config.json`` dict: ``gemma4_text``, or ``gemma4`` with a ``text_config`` inside.
+
+        Every field is type-checked (``graphs.config.read_fields``); a wrong value raises
+        ``ConfigError`` naming the key."""
+        return cls._from_text_dict(text_section(raw, "gemma4", "gemma4_text", OWNER))
 
     @classmethod
     def _from_text_dict(cls, text: dict) -> "Gemma4TextConfig":
-        fields = {name: text.get(name, default) for name, default in _DEFAULTS.items()}
-        L = int(fields["num_hidden_layers"])
+        fields = read_fields(text, _DEFAULTS, _KINDS, OWNER)
+        L = fields["num_hidden_layers"]
 
-        if fields["use_bidirectional_attention"] not in (None, "vision", "all"):
-            raise ValueError(
-                f"Gemma4TextConfig: use_bidirectional_attention must be null, 'vision' or 'all', "
-                f"got {fields['use_bidirectional_attention']!r}"
-            )
         if fields["use_bidirectional_attention"] == "all":
             # transformers stores W//2 + 1 (the half-width of the symmetric window) and writes back (w-1)*2.
             fields["sliding_window"] = fields["sliding_window"] // 2 + 1
+        elif fields["sliding_window"] < 1:
+            raise ConfigError(f"Gemma4TextConfig: sliding_window must be a positive int, got {fields['sliding_window']!r}")
 
         layer_types = _layer_types(text.get("layer_types"), L)
         head_dims, kv_heads = _layer_geometry(text, fields, layer_types)
@@ -257,6 +280,8 @@ def _layer_types(given, num_layers: int) -> tuple[str, ...]:
     if given is None:
         types = [SLIDING if (i + 1) % 6 else FULL for i in range(num_layers)]
     else:
+        if not isinstance(given, (list, tuple)) or not all(isinstance(t, str) for t in given):
+            raise ConfigError(f"Gemma4TextConfig: layer_types must be a list of layer type names, got {given!r}")
         types = list(given)
     if len(types) != num_layers:
         raise ValueError(f"Gemma4TextConfig: layer_types has {len(types)} entries for {num_layers} layers")
@@ -277,41 +302,55 @@ def _layer_geometry(text: dict, fields: dict, layer_types: tuple[str, ...]) -> t
     """
     L = len(layer_types)
     if "per_layer_config" in text:
+        per_layer = text["per_layer_config"] or {}
+        if not isinstance(per_layer, Mapping):
+            raise ConfigError(f"Gemma4TextConfig: per_layer_config must be a JSON object, got {per_layer!r}")
         overrides = {}
-        for key, layer_overrides in (text["per_layer_config"] or {}).items():
-            layer = int(key)
+        for key, layer_overrides in per_layer.items():
+            layer = int(key) if str(key).isdigit() else -1
             if not 0 <= layer < L:
-                raise ValueError(f"Gemma4TextConfig: per_layer_config names layer {key!r}, outside [0, {L})")
+                raise ConfigError(f"Gemma4TextConfig: per_layer_config names layer {key!r}, outside [0, {L})")
+            if not isinstance(layer_overrides, Mapping):
+                raise ConfigError(f"Gemma4TextConfig: per_layer_config[{key!r}] must be a JSON object, got {layer_overrides!r}")
             extra = sorted(set(layer_overrides) - set(PER_LAYER_ATTRIBUTES))
             if extra:
-                raise ValueError(
+                raise ConfigError(
                     f"Gemma4TextConfig: per_layer_config[{key!r}] overrides {extra}; only {PER_LAYER_ATTRIBUTES} are supported"
                 )
+            for name, value in layer_overrides.items():
+                check_value(value, POSITIVE_INT, f"per_layer_config[{key!r}].{name}", OWNER)
             overrides[layer] = layer_overrides
     else:
-        full_overrides = {"head_dim": text.get("global_head_dim", _GLOBAL_HEAD_DIM_DEFAULT)}
-        global_kv = text.get("num_global_key_value_heads")
+        global_head_dim = text.get("global_head_dim", _GLOBAL_HEAD_DIM_DEFAULT)
+        full_overrides = {"head_dim": check_value(global_head_dim, POSITIVE_INT, "global_head_dim", OWNER)}
+        global_kv = check_value(text.get("num_global_key_value_heads"), optional(POSITIVE_INT), "num_global_key_value_heads", OWNER)
         if fields["attention_k_eq_v"] and global_kv is not None:
             full_overrides["num_key_value_heads"] = global_kv
         overrides = {i: full_overrides for i, t in enumerate(layer_types) if t == FULL}
-    head_dims = tuple(int(overrides.get(i, {}).get("head_dim", fields["head_dim"])) for i in range(L))
-    kv_heads = tuple(
-        int(overrides.get(i, {}).get("num_key_value_heads", fields["num_key_value_heads"])) for i in range(L)
-    )
+    head_dims = tuple(overrides.get(i, {}).get("head_dim", fields["head_dim"]) for i in range(L))
+    kv_heads = tuple(overrides.get(i, {}).get("num_key_value_heads", fields["num_key_value_heads"]) for i in range(L))
     return head_dims, kv_heads
 
 
 def _rope_parameters(given, layer_types: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     params = DEFAULT_ROPE_PARAMETERS if given is None else given
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"Gemma4TextConfig: rope_parameters must be a JSON object keyed by layer type, got {params!r}")
     resolved = {}
     for layer_type in sorted(set(layer_types)):
         if layer_type not in params or not params[layer_type]:
-            raise ValueError(f"Gemma4TextConfig: rope_parameters has no entry for {layer_type!r}")
+            raise ConfigError(f"Gemma4TextConfig: rope_parameters has no entry for {layer_type!r}")
+        if not isinstance(params[layer_type], Mapping):
+            raise ConfigError(f"Gemma4TextConfig: rope_parameters[{layer_type!r}] must be a JSON object, got {params[layer_type]!r}")
         entry = dict(params[layer_type])
         rope_type = entry.get("rope_type")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
                 f"Gemma4TextConfig: unsupported rope_type {rope_type!r} for {layer_type}; supported: {SUPPORTED_ROPE_TYPES}"
             )
+        check_value(entry.get("rope_theta"), POSITIVE_FLOAT, f"rope_parameters[{layer_type!r}].rope_theta", OWNER)
+        for name, kind in (("partial_rotary_factor", _ROTARY_FRACTION), ("factor", POSITIVE_FLOAT)):
+            if name in entry:
+                check_value(entry[name], kind, f"rope_parameters[{layer_type!r}].{name}", OWNER)
         resolved[layer_type] = entry
     return resolved

@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from graphs.config import BOOL, POSITIVE_FLOAT, POSITIVE_INT, TEXT, ConfigError, Kind, check_value, read_fields, section
+
+OWNER = "Gemma4VisionConfig"
 SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh",)
 # transformers normalises "default" to "axial" for the vision tower.
 SUPPORTED_ROPE_TYPES = ("axial", "default")
@@ -33,6 +36,22 @@ _DEFAULTS: dict[str, Any] = dict(
     standardize=False,
 )
 _DEFAULT_ROPE_THETA = 100.0
+# What each field may hold (graphs.config): a wrong kind is refused naming the key, not run.
+_KINDS: dict[str, Kind] = dict(
+    hidden_size=POSITIVE_INT,
+    intermediate_size=POSITIVE_INT,
+    num_hidden_layers=POSITIVE_INT,
+    num_attention_heads=POSITIVE_INT,
+    num_key_value_heads=POSITIVE_INT,
+    head_dim=POSITIVE_INT,
+    hidden_activation=TEXT,
+    rms_norm_eps=POSITIVE_FLOAT,
+    patch_size=POSITIVE_INT,
+    pooling_kernel_size=POSITIVE_INT,
+    position_embedding_size=POSITIVE_INT,
+    use_clipped_linears=BOOL,
+    standardize=BOOL,
+)
 
 
 @dataclass(frozen=True)
@@ -76,29 +95,24 @@ class Gemma4VisionConfig:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "Gemma4VisionConfig":
-        """Parse ``gemma4_vision``, or ``gemma4`` / ``diffusion_gemma`` with a ``vision_config`` inside."""
-        model_type = raw.get("model_type")
-        if model_type in CONTAINER_MODEL_TYPES:
-            vision = raw.get("vision_config")
-            if not vision:
-                raise ValueError(f"Gemma4VisionConfig: this {model_type} config has no vision_config (a text-only model)")
-        elif model_type == "gemma4_vision":
-            vision = raw
-        else:
-            raise ValueError(
-                f"Gemma4VisionConfig: unsupported model_type {model_type!r}; expected 'gemma4_vision' or one of "
-                f"{CONTAINER_MODEL_TYPES} with a vision_config"
-            )
+        """Parse ``gemma4_vision``, or ``gemma4`` / ``diffusion_gemma`` with a ``vision_config`` inside.
+
+        Every field is type-checked (``graphs.config.read_fields``); a wrong value raises
+        ``ConfigError`` naming the key."""
+        vision = section(raw, OWNER, own_type="gemma4_vision", containers=CONTAINER_MODEL_TYPES, key="vision_config", required=True)
         if vision.get("attention_bias"):
             raise ValueError("Gemma4VisionConfig: attention_bias=True is not implemented (Gemma 4 has no biases)")
-        fields = {name: vision.get(name, default) for name, default in _DEFAULTS.items()}
+        fields = read_fields(vision, _DEFAULTS, _KINDS, OWNER)
         return cls(rope_theta=_rope_theta(vision.get("rope_parameters")), **fields)
 
 
 def _rope_theta(rope_parameters: Mapping[str, Any] | None) -> float:
     if not rope_parameters:
         return _DEFAULT_ROPE_THETA
+    if not isinstance(rope_parameters, Mapping):
+        raise ConfigError(f"Gemma4VisionConfig: rope_parameters must be a JSON object, got {rope_parameters!r}")
     rope_type = rope_parameters.get("rope_type", "axial")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"Gemma4VisionConfig: unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
-    return float(rope_parameters.get("rope_theta", _DEFAULT_ROPE_THETA))
+    theta = rope_parameters.get("rope_theta", _DEFAULT_ROPE_THETA)
+    return float(check_value(theta, POSITIVE_FLOAT, "rope_parameters.rope_theta", OWNER))

@@ -78,7 +78,7 @@ def test_config_inside_a_multimodal_config(model_type):
         ({"model_type": "gemma4_vision", "hidden_activation": "gelu"}, "unsupported hidden_activation 'gelu'"),
         ({"model_type": "gemma4_vision", "head_dim": 18}, "head_dim must be a multiple of 4 .* got 18"),
         ({"model_type": "gemma4_vision", "num_key_value_heads": 5}, "num_attention_heads 12 is not a multiple of num_key_value_heads 5"),
-        ({"model_type": "gemma4_vision", "pooling_kernel_size": 0}, "pooling_kernel_size must be positive, got 0"),
+        ({"model_type": "gemma4_vision", "pooling_kernel_size": 0}, "pooling_kernel_size must be a positive int, got 0"),
         ({"model_type": "gemma4_vision", "attention_bias": True}, "attention_bias=True is not implemented"),
     ],
 )  # fmt: skip
