@@ -183,11 +183,11 @@ def ctrl_c_stops_answer():
         signal.signal(signal.SIGINT, previous)
 
 
-def answer(session: ChatSession, text: str, verbose: bool, transcript: str | None, images=()) -> bool:
+def answer(session: ChatSession, text: str, verbose: bool, transcript: str | None, images=(), audio=(), videos=()) -> bool:
     """Stream the answer to ``text``; False (after printing why) when the turn was refused."""
     with ctrl_c_stops_answer() as should_stop:
         try:
-            for piece in session.send(text, should_stop=should_stop, images=images):
+            for piece in session.send(text, should_stop=should_stop, images=images, audio=audio, videos=videos):
                 print(piece, end="", flush=True)
         except ValueError as err:  # e.g. a typed <|image|> without an attached image, a prompt past the context
             print(f"[error: {err}]", file=sys.stderr, flush=True)
@@ -233,6 +233,26 @@ def attach_image(model, path: str, max_soft_tokens: int, pending: list) -> None:
     print(f"[image attached: {path}, {image.width}x{image.height} px, {image.num_soft_tokens} soft tokens]", flush=True)
 
 
+def attach_media(model, kind: str, path: str, pending: list) -> None:
+    """``/audio PATH`` and ``/video PATH``: decode and process now (a bad file, or a model without the
+    tower, is reported at once, by name), and hold the result for the next message."""
+    if not path:
+        print(f"[usage: /{kind} PATH]", flush=True)
+        return
+    try:
+        if kind == "audio":
+            (item,) = model.process_audio([path])
+            note = f"{item.duration:.2f} s, {item.num_soft_tokens} soft tokens"
+        else:
+            (item,) = model.process_videos([path])
+            note = f"{item.num_frames} frames of {item.width}x{item.height} px, {item.num_frames * item.num_soft_tokens} soft tokens"
+    except ValueError as err:
+        print(f"[error: {type(err).__name__}: {err}]", flush=True)
+        return
+    pending.append(item)
+    print(f"[{kind} attached: {path}, {note}]", flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     problem = check_args(args)
@@ -249,8 +269,11 @@ def main(argv=None) -> int:
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         return 0 if answer(session, prompt, args.verbose, args.transcript) else 2
     image_help = " /image PATH attaches an image;" if model.supports_images else ""
+    image_help += " /video PATH a video;" if model.supports_video else ""
+    image_help += " /audio PATH an audio clip;" if model.supports_audio else ""
     print(f"Chatting with {args.model}. Ctrl-C stops an answer;{image_help} /reset clears the history; /quit leaves.")
     pending: list = []  # images for the next message
+    pending_media: dict[str, list] = {"audio": [], "video": []}  # clips and videos for the next message
     while True:
         try:
             text = input(">> ")
@@ -263,6 +286,7 @@ def main(argv=None) -> int:
         if command == "/reset":
             session.reset()
             pending.clear()
+            pending_media["audio"].clear(), pending_media["video"].clear()
             print("[history cleared]")
             continue
         if command == "/image":
@@ -271,9 +295,14 @@ def main(argv=None) -> int:
             else:
                 print(f"[{args.model} has no vision tower; it cannot read images]", flush=True)
             continue
+        if command in ("/audio", "/video"):
+            attach_media(model, command[1:], os.path.expanduser(rest.strip().strip("'\"")), pending_media[command[1:]])
+            continue
         if text.strip():
-            answer(session, text, args.verbose, args.transcript, images=list(pending))
+            answer(session, text, args.verbose, args.transcript, images=list(pending),
+                   audio=list(pending_media["audio"]), videos=list(pending_media["video"]))  # fmt: skip
             pending.clear()
+            pending_media["audio"].clear(), pending_media["video"].clear()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,13 @@
-"""Describe images, or answer a question about them, with a Gemma 4 model that has a vision tower.
+"""Describe images, videos and audio, or answer a question about them, with a Gemma 4 model.
 
     python -m examples.image_to_text --image photo.jpg
     python -m examples.image_to_text --image a.jpg b.png --prompt "What differs between these?"
+    python -m examples.image_to_text --audio speech.flac --prompt "Transcribe this."
+    python -m examples.image_to_text --video clip.mp4 --image still.png --audio a.wav --audio b.mp3
+
+``--image``, ``--audio`` and ``--video`` repeat and mix; images go first in the user turn, then
+audio clips, then videos. Audio needs an audio tower (E2B/E4B), video the vision tower; a model
+without the tower refuses the input by name.
 
 The images go first in one user turn, then the prompt, through the model's chat template. Each
 image costs up to ``--max-soft-tokens`` prompt positions (70, 140, 280, 560 or 1120). The answer
@@ -18,12 +24,17 @@ from models.processing.image_processor import Gemma4ImageProcessor
 
 DEFAULT_PROMPT = "Describe this image."
 DEFAULT_PROMPT_SEVERAL = "Describe these images."
+DEFAULT_PROMPT_MEDIA = "Describe what you hear and see."
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=DEFAULT_MODEL, help="a zoo name, a Hub repo id or a local folder")
-    p.add_argument("--image", "-i", nargs="+", required=True, metavar="PATH", help="one or more image files")
+    p.add_argument("--image", "-i", nargs="+", action="extend", default=[], metavar="PATH", help="one or more image files")
+    p.add_argument("--audio", "-a", nargs="+", action="extend", default=[], metavar="PATH",
+                   help="audio files (wav, flac, ogg, mp3, ...; at most 30 s each)")
+    p.add_argument("--video", "-v", nargs="+", action="extend", default=[], metavar="PATH",
+                   help="video files (up to 32 frames sampled, 70 soft tokens each)")  # fmt: skip
     p.add_argument("--prompt", "-p", help=f"the question ('-' reads it from stdin; default: {DEFAULT_PROMPT!r})")
     p.add_argument("--system-prompt", help="a system prompt")
     p.add_argument("--thinking", action="store_true", help="switch on the model's thinking mode")
@@ -34,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    problem = check_args(args)
+    problem = check_args(args) or (None if args.image or args.audio or args.video else "give at least one --image, --audio or --video")
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -47,18 +58,24 @@ def main(argv=None) -> int:
     model = load_model(args)
     if model is None:
         return 2
-    if not model.supports_images:
+    if args.image and not model.supports_images:
         print(f"error: {args.model} has no vision tower; it cannot read images", file=sys.stderr)
         return 2
-    images = model.process_images(args.image, args.max_soft_tokens)
+    try:
+        images = model.process_images(args.image, args.max_soft_tokens) if args.image else []
+        audio = model.process_audio(args.audio) if args.audio else []
+        videos = model.process_videos(args.video) if args.video else []
+    except ValueError as err:  # AudioNotSupportedError, AudioTooLongError, VideoDecodeError, ...
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
     if args.prompt == "-":
         prompt = sys.stdin.read()
     else:
-        prompt = args.prompt or (DEFAULT_PROMPT if len(images) == 1 else DEFAULT_PROMPT_SEVERAL)
+        prompt = args.prompt or (DEFAULT_PROMPT if len(images) == 1 else DEFAULT_PROMPT_SEVERAL if images else DEFAULT_PROMPT_MEDIA)
     session = make_session(model, args)
     if session is None:
         return 2
-    return 0 if answer(session, prompt, args.verbose, None, images=images) else 2
+    return 0 if answer(session, prompt, args.verbose, None, images=images, audio=audio, videos=videos) else 2
 
 
 if __name__ == "__main__":

@@ -164,3 +164,36 @@ def test_audio_to_a_model_without_an_audio_tower_is_refused(tmp_path):
     assert model.supports_images and not model.supports_audio
     with pytest.raises(AudioNotSupportedError, match="no audio tower"):
         model.prompt(PROMPT_AUDIO, audio=[synthetic_clip(0.5)])
+
+
+def test_chat_turns_with_audio_and_a_bad_clip_leave_the_session_unchanged(pair, clips, tmp_path):
+    """ChatSession.send(audio=...) keeps the clip's features for later turns; a bad file or an
+    over-long clip is refused by name before anything changes (history, features, cache)."""
+    from models.generation.chat import ChatSession
+
+    _, _, model = pair
+
+    def render(messages=None):  # no tokenizer on the tiny model: one fixed text token per turn, then placeholders
+        ids = [2]
+        for message in messages or session.messages:
+            content = message["content"]
+            items = content if isinstance(content, list) else [{"type": "text"}]
+            ids += [AUDIO if item["type"] == "audio" else IMAGE if item["type"] == "image" else 40 for item in items] + [41]
+        return ids
+
+    session = ChatSession(model, max_tokens=3)
+    session.render = render
+    list(session.send("hello", audio=[clips[0]]))
+    assert len(session.audio_features) == 1 and session.fed_images
+    fed, messages = list(session.fed), list(session.messages)
+    bad = tmp_path / "bad.wav"
+    bad.write_text("not audio")
+    with pytest.raises(ValueError):
+        list(session.send("again", audio=[str(bad)]))
+    with pytest.raises(AudioTooLongError):
+        list(session.send("again", audio=[synthetic_clip(31.0)]))
+    assert session.fed == fed and session.messages == messages and len(session.audio_features) == 1
+    span = session.fed_images[0]
+    list(session.send("more"))  # the kept clip is re-expanded from its features, not re-encoded
+    assert len(session.audio_features) == 1 and session.fed_images[0].features is span.features
+    assert (session.fed_images[0].start, session.fed_images[0].end) == (span.start, span.end)

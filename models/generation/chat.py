@@ -96,6 +96,8 @@ class ChatSession:
         if system_prompt:
             self.messages.append({"role": "system", "content": system_prompt})
         self.image_features: list[mx.array] = []  # every image of the conversation, in order
+        self.audio_features: list[mx.array] = []  # every audio clip, in order (models.media)
+        self.video_features: list = []  # every video (VideoFeatures: frames and timestamps), in order
         self.cache = model.make_cache()
         self.fed: list[int] = []  # the tokens the cache holds, oldest first
         self.fed_images: tuple[ImageSpan, ...] = ()  # the images among them
@@ -124,6 +126,8 @@ class ChatSession:
         if not self.model.supports_images:
             return Prompt(ids)
         features = self.image_features if image_features is None else image_features
+        if self.audio_features or self.video_features:
+            return self.model.media_prompt(ids, features, self.audio_features, self.video_features)
         return expand_image_placeholders(ids, features, self.model.config.image_tokens)
 
     def _reuse_cache(self, ids: list[int], images: Sequence[ImageSpan] = ()) -> list[int]:
@@ -139,7 +143,9 @@ class ChatSession:
         self.fed_images = tuple(span for span in self.fed_images if span.end <= keep)
         return ids[keep:]
 
-    def send(self, text: str, should_stop=lambda: False, images: Sequence = ()) -> Iterator[str]:
+    def send(
+        self, text: str, should_stop=lambda: False, images: Sequence = (), audio: Sequence = (), videos: Sequence = ()
+    ) -> Iterator[str]:
         """Add a user turn (``images`` first, then ``text``) and stream the model's answer; the answer
         joins the history at the end. Images are paths, PIL images, uint8 arrays or ``ProcessedImage`` s.
 
@@ -157,11 +163,18 @@ class ChatSession:
             start = time.perf_counter()
             processed = self.model.process_images(list(images), self.max_soft_tokens) if images else []
             new_features = self.model.encode_images(processed) if images else []
+            # Audio clips and videos (models.media): refused by name on a model without the tower.
+            clips = self.model.process_audio(list(audio)) if audio else []
+            films = self.model.process_videos(list(videos)) if videos else []  # the video budget (70), not the image one
+            self.audio_features = self.audio_features + (self.model.encode_audio(clips) if clips else [])
+            self.video_features = self.video_features + (self.model.encode_videos(films) if films else [])
             self.last_vision_seconds = time.perf_counter() - start
             content = text
-            if images:
-                # The template reads only the type; the source names the image in transcripts.
-                content = [*({"type": "image", "image": p.source} for p in processed), {"type": "text", "text": text}]
+            if images or clips or films:
+                # The template reads only the type; the source names the item in transcripts.
+                content = [*({"type": "image", "image": p.source} for p in processed),
+                           *({"type": "audio", "audio": c.source} for c in clips),
+                           *({"type": "video", "video": f.source} for f in films), {"type": "text", "text": text}]  # fmt: skip
             messages = self.messages + [{"role": "user", "content": content}]
             features = self.image_features + new_features
             prompt = self.render_prompt(messages, features)
@@ -209,10 +222,11 @@ class ChatSession:
         buffer copies it instead of updating it in place)."""
         index = {id(c): i for i, c in enumerate(self.cache)}
         layers = [("view", index[id(c.donor)]) if isinstance(c, SharedView) else ("own", c.state) for c in self.cache]
-        return list(self.messages), list(self.image_features), list(self.fed), self.fed_images, layers
+        media = (list(self.audio_features), list(self.video_features))
+        return list(self.messages), list(self.image_features), list(self.fed), self.fed_images, layers, media
 
     def _restore(self, snapshot: tuple) -> None:
-        messages, features, fed, fed_images, layers = snapshot
+        messages, features, fed, fed_images, layers, (self.audio_features, self.video_features) = snapshot
         owners = {i: cache_from_state(value) for i, (kind, value) in enumerate(layers) if kind == "own"}
         self.cache = [owners[i] if kind == "own" else owners[value].shared_view() for i, (kind, value) in enumerate(layers)]
         self.messages, self.image_features, self.fed, self.fed_images = messages, features, fed, fed_images
@@ -221,6 +235,7 @@ class ChatSession:
         system = [m for m in self.messages if m["role"] == "system"]
         self.messages = system
         self.image_features = []
+        self.audio_features, self.video_features = [], []
         self.cache = self.model.make_cache()
         self.fed = []
         self.fed_images = ()
