@@ -42,6 +42,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", "-p", help="answer this one prompt and exit ('-' reads it from stdin)")
     p.add_argument("--system-prompt", help="a system prompt for the conversation")
     p.add_argument("--thinking", action="store_true", help="switch on the model's thinking mode (Gemma 4)")
+    p.add_argument("--chat-template", metavar="PATH",
+                   help="render the turns with this Jinja chat template (a .jinja file or a chat_template.json) instead "
+                        "of the model's own; a model without one (a base model) continues your text")  # fmt: skip
     add_generation_args(p)
     p.add_argument("--transcript", help="write the conversation (JSON messages) to this file after every answer")
     return p.parse_args(argv)
@@ -82,7 +85,26 @@ def session_from_args(model, args: argparse.Namespace) -> ChatSession:
         prefill_step_size=args.prefill_step_size,
         max_soft_tokens=args.max_soft_tokens,
         kv_quantization=kv_quantization_from_args(args),
+        chat_template=read_chat_template(getattr(args, "chat_template", None)),
     )
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The template text of ``--chat-template``: a Jinja file, or a JSON file with a ``chat_template`` string."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--chat-template {path}: cannot read it ({getattr(err, 'strerror', None) or err})") from None
+    if Path(path).suffix == ".json":
+        try:
+            text = json.loads(text)["chat_template"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"--chat-template {path}: a .json template must be an object with a chat_template string") from None
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"--chat-template {path}: the template is empty")
+    return text
 
 
 def kv_quantization_from_args(args: argparse.Namespace) -> KVQuantization:
@@ -265,6 +287,9 @@ def main(argv=None) -> int:
     session = make_session(model, args)
     if session is None:
         return 2
+    if not session.uses_chat_template:  # said once: a base model's answers read as continuations
+        print(f"[{args.model} has no chat template: it continues your text rather than chatting "
+              "(--chat-template PATH gives it one)]", file=sys.stderr, flush=True)  # fmt: skip
     if args.prompt is not None:
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         return 0 if answer(session, prompt, args.verbose, args.transcript) else 2

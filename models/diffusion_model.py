@@ -13,7 +13,7 @@ import mlx.core as mx
 
 
 from graphs.diffusion_gemma_config import DiffusionGemmaConfig
-from models.loading import TOKENIZER_FILES
+from models.checks import check_token_ids, id_list, no_tokenizer_error
 from models.generation.diffusion_options import DiffusionGenerationConfig
 from models.generation.diffusion import DEFAULT_PREFILL_STEP, CommittedBlock, DenoiseStep, DiffusionResult, Finished, stream_diffusion
 from models.processing.image_processor import DEFAULT_MAX_SOFT_TOKENS, Gemma4ImageProcessor, ImageInput, ProcessedImage
@@ -42,13 +42,21 @@ class DiffusionModel:
     def supports_images(self) -> bool:
         return self.config.vision is not None
 
+    @property
+    def vocab_size(self) -> int:
+        """The rows of the embedding table: every id must be in ``[0, vocab_size)``."""
+        return self.config.text.vocab_size
+
     def encode(self, text: str) -> list[int]:
+        """``text`` as ids; ``NoTokenizerError`` (``models.checks``) without a tokenizer."""
         if self.tokenizer is None:
-            raise ValueError(f"{self.path} has no tokenizer ({' / '.join(TOKENIZER_FILES)}); pass token ids")
+            raise no_tokenizer_error(self.path, "encoding text")
         return list(self.tokenizer.encode(text))
 
     def chat_ids(self, text: str, images: int = 0) -> list[int]:
         """One user turn through the tokenizer's chat template, with ``images`` image placeholders before the text."""
+        if self.tokenizer is None:
+            raise no_tokenizer_error(self.path, "a chat turn")
         content = [*({"type": "image"} for _ in range(images)), {"type": "text", "text": text}]
         rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
         return self.encode(rendered)
@@ -56,8 +64,10 @@ class DiffusionModel:
     def prompt(
         self, prompt: str | Sequence[int], images: Sequence[ImageInput | ProcessedImage] = (), max_soft_tokens: int | None = None
     ) -> Prompt:
-        """Ids ready for the encoder: one image placeholder per image expanded to ``boi`` + its soft tokens + ``eoi``."""
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        """Ids ready for the encoder: one image placeholder per image expanded to ``boi`` + its soft tokens + ``eoi``.
+
+        An id outside the vocabulary raises ``TokenIdError`` (``models.checks``)."""
+        ids = id_list(self.encode(prompt) if isinstance(prompt, str) else prompt, self.vocab_size, "DiffusionModel.prompt")
         if not images:
             return Prompt(ids)
         if not self.supports_images:
@@ -91,6 +101,7 @@ class DiffusionModel:
         text prompt is tokenized as is (use ``chat_ids`` for an instruction-tuned turn)."""
         if not isinstance(prompt, Prompt):
             prompt = self.prompt(prompt, images, max_soft_tokens)
+        check_token_ids(prompt.ids, self.vocab_size, "DiffusionModel.stream")
         features = [span.features for span in prompt.images]
         return stream_diffusion(
             self.graph, prompt.ids, self.options(**options), image_features=features, seed=seed, cache=cache, prefill_step=prefill_step,

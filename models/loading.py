@@ -3,6 +3,10 @@
 One loader serves every architecture in ``models.registry``; the registry says which object
 (``Model`` or ``DiffusionModel``) wraps the graph. ``load_graph`` is the part the convert command
 shares: the graph with its checkpoint loaded, before any device preparation.
+
+The tokenizer is loaded with ``trust_remote_code=False``: a folder is data, and a
+``tokenizer_config.json`` whose ``auto_map`` names a ``.py`` file in it would otherwise make
+transformers ask on stdin whether to run that file. Its vocabulary must fit the model's.
 """
 
 from __future__ import annotations
@@ -17,11 +21,10 @@ from mlx_lm.tokenizer_utils import load as load_mlx_lm_tokenizer
 from weights import load_safetensors, read_config, resolve_model_path
 from weights.quantize import QuantizationPolicy, QuantizationReport, plan_load, quantize_model
 
+from models.checks import TOKENIZER_FILES, TokenizerLoadError, VocabularyMismatchError, tokenizer_vocabulary_size
 from models.precision import AUTO, Precision, cast_weights, choose, prepare
 from models.registry import Architecture, architecture_for
 from models.zoo import zoo_folder
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 
 
 @dataclass
@@ -49,6 +52,42 @@ def read_generation_config(folder: Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: invalid JSON ({err})") from err
+
+
+def load_tokenizer(folder: Path, vocab_size: int, eos_token_ids=None):
+    """The folder's tokenizer wrapped by mlx-lm (streaming detokenizer), or None when the folder has
+    no tokenizer file (``TOKENIZER_FILES``; a ``tokenizer_config.json`` alone holds no vocabulary).
+
+    Never runs code from the folder (``trust_remote_code=False``, which mlx-lm passes on to
+    ``AutoTokenizer.from_pretrained``). Raises ``TokenizerLoadError`` when the files cannot be
+    loaded and ``VocabularyMismatchError`` when the tokenizer has more ids than ``vocab_size``.
+    """
+    present = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    if not present:
+        return None
+    try:
+        tokenizer = load_mlx_lm_tokenizer(folder, tokenizer_config_extra={"trust_remote_code": False}, eos_token_ids=eos_token_ids)
+    except (ValueError, OSError, ImportError) as err:
+        if "custom code" in str(err) or "trust_remote_code" in str(err):
+            raise TokenizerLoadError(
+                f"{folder}: the tokenizer needs code from the folder (auto_map in tokenizer_config.json names a .py "
+                "file). Code shipped inside a checkpoint folder is never run (trust_remote_code=False); set "
+                "tokenizer_class in tokenizer_config.json to a class transformers provides"
+            ) from err
+        raise TokenizerLoadError(f"{folder}: the tokenizer ({', '.join(present)}) could not be loaded: {err}") from err
+    size = tokenizer_vocabulary_size(tokenizer)
+    if size > vocab_size:
+        raise VocabularyMismatchError(
+            f"{folder}: the tokenizer has {size} ids but the model's vocabulary (config.json vocab_size) has "
+            f"{vocab_size}; ids past {vocab_size - 1} would read outside the embedding table, so these tokenizer "
+            "files do not belong to this checkpoint"
+        )
+    return tokenizer
+
+
+def vocab_size_of(config) -> int:
+    """The rows of the model's embedding table: ``vocab_size`` of the config or of its text part."""
+    return getattr(config, "text", config).vocab_size
 
 
 def load_graph(
@@ -89,7 +128,8 @@ def load(
     ``dtype`` casts floating weights (the scales of a quantized checkpoint are floating too);
     ``"auto"`` (default) lets ``models.precision`` choose for the device (float32 on a CPU with a
     fast BLAS, the checkpoint's dtype elsewhere) and ``None`` keeps the checkpoint's dtypes. The
-    tokenizer, with mlx-lm's streaming detokenizer, is attached unless ``tokenizer=False``.
+    tokenizer, with mlx-lm's streaming detokenizer, is attached unless ``tokenizer=False`` or the
+    folder has none (``load_tokenizer``); without one, ids still go in and come out.
     Pre-quantized MLX checkpoints load as stored; ``q_bits`` (4 or 8) and ``q_group_size`` (32, 64
     or 128; default 64), or a whole ``q_policy``, quantize a full-precision checkpoint on load
     (``docs/quantization.md``). ``models.precision.prepare`` then makes the graph fast on the
@@ -100,8 +140,8 @@ def load(
     device_notes = prepare(loaded.graph, loaded.precision)
     generation_config = read_generation_config(folder)
     wrapper = None
-    if tokenizer and any((folder / name).is_file() for name in TOKENIZER_FILES):
-        wrapper = load_mlx_lm_tokenizer(folder, eos_token_ids=generation_config.get("eos_token_id"))
+    if tokenizer:
+        wrapper = load_tokenizer(folder, vocab_size_of(loaded.config), generation_config.get("eos_token_id"))
     if loaded.architecture.wrapper == "diffusion":
         from models.diffusion_model import DiffusionModel
 

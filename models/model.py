@@ -10,6 +10,7 @@ import mlx.core as mx
 
 from cache import cache_offset
 
+from models.checks import check_token_ids, id_array, id_list, no_tokenizer_error
 from models.generation.generate import DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions, generate_tokens
 from models.processing.image_processor import DEFAULT_MAX_SOFT_TOKENS, Gemma4ImageProcessor, ImageInput, ProcessedImage
 from models.generation.prompts import Prompt, expand_image_placeholders
@@ -23,6 +24,18 @@ class Chunk:
     text: str
     token: int | None
     stats: GenerationStats
+
+
+class _NoText:
+    """The detokenizer of a model without a tokenizer: generation from ids yields ids with empty text."""
+
+    last_segment = ""
+
+    def reset(self) -> None: ...
+
+    def add_token(self, token: int) -> None: ...
+
+    def finalize(self) -> None: ...
 
 
 class Model(MediaMixin):
@@ -46,7 +59,14 @@ class Model(MediaMixin):
         self, input_ids: mx.array, cache, last_only: bool = False, image_features: mx.array | None = None
     ) -> mx.array:
         """Logits of ``input_ids`` appended to ``cache``; ``image_features`` holds the rows of every
-        image token in ``input_ids`` (whole images only), in order."""
+        image token in ``input_ids`` (whole images only), in order. An id outside the vocabulary
+        raises ``TokenIdError`` (``models.checks``)."""
+        check_token_ids(input_ids, self.vocab_size, "Model.forward")
+        return self._forward(input_ids, cache, last_only, image_features)
+
+    def _forward(self, input_ids: mx.array, cache, last_only: bool = False, image_features: mx.array | None = None) -> mx.array:
+        """``forward`` without the id check: the generation loop's path (its prompt was checked, and
+        a sampled id is below the vocabulary size; checking it would wait for it on every step)."""
         self._check_context(cache, input_ids.shape[-1])
         if image_features is None:
             return self.graph(input_ids, cache=cache, last_only=last_only)
@@ -63,12 +83,17 @@ class Model(MediaMixin):
         prompt = input_ids if isinstance(input_ids, Prompt) else None
         if prompt is not None:
             input_ids = prompt.ids
-        ids = input_ids if isinstance(input_ids, mx.array) else mx.array(input_ids)
+        ids = id_array(input_ids, self.vocab_size, "Model.logits")
         if ids.ndim == 1:
             ids = ids[None]
         if prompt is None or not prompt.images:
-            return self.forward(ids, cache)
-        return self.forward(ids, cache, image_features=mx.concatenate([s.features for s in prompt.images]))
+            return self._forward(ids, cache)
+        return self._forward(ids, cache, image_features=mx.concatenate([s.features for s in prompt.images]))
+
+    @property
+    def vocab_size(self) -> int:
+        """The rows of the embedding table: every id must be in ``[0, vocab_size)``."""
+        return getattr(self.config, "text", self.config).vocab_size
 
     # ------------------------------------------------------------------------------ images
     @property
@@ -116,7 +141,7 @@ class Model(MediaMixin):
         """The prompt ready for the model: one image placeholder (``<|image|>``) per image, expanded to
         ``boi`` + the image's soft tokens + ``eoi``, with the images' features attached; likewise one
         ``<|audio|>`` per audio clip and one ``<|video|>`` per video (``models.generation.media``)."""
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = id_list(self.encode(prompt) if isinstance(prompt, str) else prompt, self.vocab_size, "Model.prompt")
         if audio or videos:
             return self.media_prompt(ids, images, audio, videos, max_soft_tokens)
         if images:
@@ -162,6 +187,9 @@ class Model(MediaMixin):
         return ids
 
     def encode(self, text: str) -> list[int]:
+        """``text`` as ids (with the tokenizer's BOS); ``NoTokenizerError`` without a tokenizer."""
+        if self.tokenizer is None:
+            raise no_tokenizer_error(self.path, "encoding text")
         return list(self.tokenizer.encode(text))
 
     def stream(
@@ -190,14 +218,15 @@ class Model(MediaMixin):
             prompt = self.prompt(prompt, images, max_soft_tokens, audio=audio, videos=videos)
         elif images or audio or videos:
             raise ValueError("stream: a Prompt already carries its media; pass images, audio or videos only with text or ids")
+        check_token_ids(prompt.ids, self.vocab_size, "Model.stream")
         if kv_quantization is not None:
             kv_quantization.check_model(self.config, str(self.path))
         cache = self.make_cache() if cache is None else cache
         stats = GenerationStats() if stats is None else stats
-        detokenizer = self.tokenizer.detokenizer
+        detokenizer = self.tokenizer.detokenizer if self.tokenizer is not None else _NoText()  # ids, empty text
         detokenizer.reset()
         for token in generate_tokens(
-            self.forward,
+            self._forward,
             prompt.ids,
             cache,
             sampling=sampling,
@@ -216,5 +245,10 @@ class Model(MediaMixin):
         yield Chunk(detokenizer.last_segment, None, stats)
 
     def generate(self, prompt: str | Sequence[int] | Prompt, **options) -> str:
-        """The whole answer of ``stream``; pass ``stats=GenerationStats()`` to get its finish reason."""
+        """The whole answer of ``stream``; pass ``stats=GenerationStats()`` to get its finish reason.
+
+        Without a tokenizer there is no text to return (``NoTokenizerError``); ``stream`` from ids
+        still yields every generated id as ``Chunk.token`` (with empty text)."""
+        if self.tokenizer is None:
+            raise no_tokenizer_error(self.path, "generate (which returns text)", "stream() from ids yields the ids (Chunk.token)")
         return "".join(chunk.text for chunk in self.stream(prompt, **options))

@@ -140,21 +140,26 @@ def test_vocabulary_is_the_released_one_less_the_image_token(ours, released):
     assert {"<bos>", "<eos>", "<pad>", "<unk>", "<start_of_turn>", "<end_of_turn>"} <= special(mine)
 
 
-def test_chat_template_matches_the_released_one(ours, released):
+def test_no_chat_template_and_the_released_one_renders_alike(ours, released):
+    """The base 270M folder carries no chat template (its GGUF has none and it was not tuned on one;
+    ``ChatSession`` feeds it plain text). Given the released template, as ``--chat-template`` does,
+    our tokenizer renders and tokenizes a conversation exactly as the released tokenizer does."""
     from transformers import AutoTokenizer
 
     released_template = json.loads((released / "tokenizer_config.json").read_text())["chat_template"]
-    assert (ours / "chat_template.jinja").read_text() == released_template
+    assert not (ours / "chat_template.jinja").exists()
     mine, reference = AutoTokenizer.from_pretrained(ours), AutoTokenizer.from_pretrained(released)
+    assert mine.chat_template is None
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello!"},
         {"role": "user", "content": [{"type": "text", "text": "What is 2+2?"}]},
     ]
-    rendered = mine.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    rendered = mine.apply_chat_template(messages, chat_template=released_template, add_generation_prompt=True, tokenize=False)
     assert rendered == reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert mine(rendered, add_special_tokens=False).input_ids == reference(rendered, add_special_tokens=False).input_ids
-    assert mine.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)["input_ids"] == [
+    hi = [{"role": "user", "content": "Hi"}]
+    assert mine.apply_chat_template(hi, chat_template=released_template, add_generation_prompt=True)["input_ids"] == [
         2, 105, 2364, 107, 10979, 106, 107, 105, 4368, 107,
     ]  # fmt: skip

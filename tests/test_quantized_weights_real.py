@@ -114,7 +114,7 @@ def test_converted_4bit_folder(folder, ids, tmp_path, capsys):
             f"float32 source {dense_bytes / 1e6:.0f} MB), converted in {result.seconds:.1f} s, loaded in {load_s:.1f} s"
         )
     assert result.total_bytes < 0.2 * dense_bytes
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json", "NOTICE.md"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "NOTICE.md"):  # the base 270M has no chat template
         assert (out / name).is_file(), name
     assert loaded.tokenizer is not None
     on_load = models.load(str(folder), tokenizer=False, q_bits=4, q_group_size=64)

