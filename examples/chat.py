@@ -47,6 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "of the model's own; a model without one (a base model) continues your text")  # fmt: skip
     add_generation_args(p)
     p.add_argument("--transcript", help="write the conversation (JSON messages) to this file after every answer")
+    p.add_argument("--draft-model", metavar="NAME_OR_PATH",
+                   help="speculative decoding: a Gemma 4 assistant (gemma4_assistant) for a Gemma 4 --model, or any "
+                        "zoo model with the same tokenizer; the output is the same, --verbose reports the acceptance")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens drafted per target step (1-16; default 4)")
     return p.parse_args(argv)
 
 
@@ -86,6 +90,8 @@ def session_from_args(model, args: argparse.Namespace) -> ChatSession:
         max_soft_tokens=args.max_soft_tokens,
         kv_quantization=kv_quantization_from_args(args),
         chat_template=read_chat_template(getattr(args, "chat_template", None)),
+        draft=getattr(args, "drafter", None),
+        num_draft_tokens=getattr(args, "num_draft_tokens", 4),
     )
 
 
@@ -115,7 +121,7 @@ def kv_quantization_from_args(args: argparse.Namespace) -> KVQuantization:
 FLAGS = {
     "max_tokens": "--max-tokens", "prefill_step_size": "--prefill-step-size", "temp": "--temp", "top_p": "--top-p",
     "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "bits": "--kv-bits", "group_size": "--kv-group-size",
-    "start": "--quantized-kv-start",
+    "start": "--quantized-kv-start", "num_draft_tokens": "--num-draft-tokens",
 }  # fmt: skip
 
 
@@ -133,10 +139,40 @@ def check_args(args: argparse.Namespace) -> str | None:
         check_positive_int("prefill_step_size", args.prefill_step_size)
         SamplingOptions(args.temp, args.top_p, args.top_k, args.min_p, args.seed)
         kv_quantization_from_args(args)
+        check_num_draft_tokens(getattr(args, "num_draft_tokens", 4))
     except GenerationOptionError as err:
         return flag_error(err)
     transcript = getattr(args, "transcript", None)
     return check_writable(transcript, "--transcript") if transcript else None
+
+
+def check_num_draft_tokens(value) -> int:
+    from models.generation.speculative import MAX_DRAFT_TOKENS
+
+    value = check_positive_int("num_draft_tokens", value)
+    if value > MAX_DRAFT_TOKENS:
+        raise GenerationOptionError("num_draft_tokens", value, f"must be at most {MAX_DRAFT_TOKENS}")
+    return value
+
+
+def load_drafter(model, args: argparse.Namespace):
+    """The drafter of ``--draft-model`` for ``model`` (None without the flag), or False after
+    printing why it cannot draft for it (not loadable, another tokenizer, an assistant of another model)."""
+    if not getattr(args, "draft_model", None):
+        return None
+    from models.generation.speculative import make_drafter
+
+    try:
+        draft = models.load(args.draft_model, dtype=args.dtype)
+        drafter = make_drafter(draft, model)
+    except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as err:
+        print(f"error: --draft-model {args.draft_model}: {err}", file=sys.stderr)
+        return False
+    if getattr(args, "verbose", False):
+        kind = "Gemma 4 assistant on the target's caches" if type(drafter).__name__ == "AssistantDrafter" else "draft model"
+        print(f"[speculative decoding: {args.draft_model} ({kind}), {args.num_draft_tokens} drafts per target step]",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return drafter
 
 
 def check_writable(path: str, flag: str) -> str | None:
@@ -238,6 +274,14 @@ def answer(session: ChatSession, text: str, verbose: bool, transcript: str | Non
             f"peak memory {stats.peak_memory_gb:.2f} GB]",
             flush=True,
         )
+        speculation = getattr(stats, "speculation", None)
+        if speculation is not None and speculation.target_steps:
+            print(
+                f"[speculative: {speculation.accepted}/{speculation.drafted} drafts accepted "
+                f"({100 * speculation.acceptance_rate:.0f}%), {speculation.tokens_per_step:.2f} tokens per target step "
+                f"over {speculation.target_steps} steps]",
+                flush=True,
+            )
     return True
 
 
@@ -283,6 +327,9 @@ def main(argv=None) -> int:
         return 2
     model = load_model(args)
     if model is None:
+        return 2
+    args.drafter = load_drafter(model, args)
+    if args.drafter is False:
         return 2
     session = make_session(model, args)
     if session is None:

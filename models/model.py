@@ -207,12 +207,17 @@ class Model(MediaMixin):
         should_stop=lambda: False,
         kv_quantization: KVQuantization | None = None,
         stats: GenerationStats | None = None,
+        draft=None,
+        num_draft_tokens: int = 4,
     ) -> Iterator[Chunk]:
         """Stream text as it is generated; no chunk ever splits a multi-byte character.
 
         ``images`` go with one image placeholder each in ``prompt`` (see ``prompt()``). Every chunk
         carries the stats (``stats``, filled in, if given); after the last one
         ``stats.finish_reason`` says why the answer ended (``"length"`` also when the context is full).
+        ``draft`` (a loaded gemma4_assistant, or any zoo model with this tokenizer, or a drafter from
+        ``models.generation.speculative.make_drafter``) turns on speculative decoding with
+        ``num_draft_tokens`` drafts per target step; ``stats.speculation`` then counts acceptance.
         """
         if not isinstance(prompt, Prompt):
             prompt = self.prompt(prompt, images, max_soft_tokens, audio=audio, videos=videos)
@@ -225,20 +230,20 @@ class Model(MediaMixin):
         stats = GenerationStats() if stats is None else stats
         detokenizer = self.tokenizer.detokenizer if self.tokenizer is not None else _NoText()  # ids, empty text
         detokenizer.reset()
-        for token in generate_tokens(
-            self._forward,
-            prompt.ids,
-            cache,
-            sampling=sampling,
-            max_tokens=max_tokens,
-            stop_ids=self.stop_ids,
-            prefill_step_size=prefill_step_size,
-            should_stop=should_stop,
-            stats=stats,
-            images=prompt.images,
-            kv_quantization=kv_quantization,
+        loop = dict(
+            sampling=sampling, max_tokens=max_tokens, stop_ids=self.stop_ids, prefill_step_size=prefill_step_size,
+            should_stop=should_stop, stats=stats, images=prompt.images, kv_quantization=kv_quantization,
             max_context=self.max_context,
-        ):
+        )  # fmt: skip
+        if draft is not None:
+            from models.generation.speculative import make_drafter, speculative_tokens
+
+            self._check_context(cache, len(prompt.ids))
+            drafter = make_drafter(draft, self)
+            tokens = speculative_tokens(self, drafter, prompt.ids, cache, num_draft_tokens=num_draft_tokens, **loop)
+        else:
+            tokens = generate_tokens(self._forward, prompt.ids, cache, **loop)
+        for token in tokens:
             detokenizer.add_token(token)
             yield Chunk(detokenizer.last_segment, token, stats)
         detokenizer.finalize()

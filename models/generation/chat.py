@@ -100,6 +100,8 @@ class ChatSession:
         max_soft_tokens: int | None = None,
         kv_quantization: KVQuantization | None = None,
         chat_template: str | None = None,
+        draft=None,
+        num_draft_tokens: int = 4,
     ):
         # Checked now, not at the first token or when the cache switches to quantized storage.
         check_positive_int("max_tokens", max_tokens)
@@ -110,6 +112,7 @@ class ChatSession:
             kv_quantization.check()
             kv_quantization.check_model(model.config, str(model.path))
         self.model = model
+        self.draft, self.num_draft_tokens = draft, num_draft_tokens  # speculative decoding (models.generation.speculative)
         self.chat_template = chat_template  # a Jinja template over the tokenizer's own (see render)
         self.kv_quantization = kv_quantization
         self.enable_thinking = enable_thinking
@@ -232,6 +235,8 @@ class ChatSession:
                 should_stop=should_stop,
                 kv_quantization=self.kv_quantization,
                 stats=stats,
+                draft=self.draft,
+                num_draft_tokens=self.num_draft_tokens,
             ):
                 if chunk.token is not None:
                     generated.append(chunk.token)
