@@ -19,6 +19,7 @@ from typing import Any
 from mlx_lm.tokenizer_utils import load as load_mlx_lm_tokenizer
 
 from weights import load_safetensors, read_config, resolve_model_path
+from weights.resolve import folder_file
 from weights.quantize import QuantizationPolicy, QuantizationReport, plan_load, quantize_model
 
 from models.checks import TOKENIZER_FILES, TokenizerLoadError, VocabularyMismatchError, tokenizer_vocabulary_size
@@ -44,8 +45,23 @@ def model_folder(name_or_path: str) -> Path:
     return zoo_folder(str(name_or_path)) or resolve_model_path(str(name_or_path))
 
 
+# Side files the tokenizer and the generation defaults are read from; each must lie inside the folder.
+SIDE_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+
+
+def check_side_files(folder: Path) -> None:
+    """Refuse (``OutsideFolderError``, by name) a side file that is a symlink out of ``folder``:
+    transformers and mlx-lm would follow it."""
+    for name in SIDE_FILES:
+        if (folder / name).is_symlink() or (folder / name).exists():
+            folder_file(folder, name)
+
+
 def read_generation_config(folder: Path) -> dict:
-    path = folder / "generation_config.json"
+    path = folder_file(folder, "generation_config.json")
     if not path.exists():
         return {}
     try:
@@ -65,6 +81,7 @@ def load_tokenizer(folder: Path, vocab_size: int, eos_token_ids=None):
     present = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
     if not present:
         return None
+    check_side_files(folder)
     try:
         tokenizer = load_mlx_lm_tokenizer(folder, tokenizer_config_extra={"trust_remote_code": False}, eos_token_ids=eos_token_ids)
     except (ValueError, OSError, ImportError) as err:

@@ -365,3 +365,17 @@ def test_the_chat_example_says_once_that_it_completes_text(folder, model, tmp_pa
     assert out.out == expected + "\n"
     assert chat.main(["--model", str(folder), "--prompt", "ab", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
     assert "--chat-template" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "generation_config.json", "tokenizer_config.json"])
+def test_side_files_linking_out_of_the_folder_are_refused(folder, tmp_path, name):
+    """A tokenizer or generation file that is a symlink out of the model folder is never read."""
+    from weights.resolve import OutsideFolderError
+
+    target = copy_of(folder, tmp_path / "model")
+    outside = tmp_path / "outside.json"
+    outside.write_text((target / name).read_text() if (target / name).exists() else "{}")
+    (target / name).unlink(missing_ok=True)
+    (target / name).symlink_to(outside)
+    with pytest.raises(OutsideFolderError, match=name):
+        models.load(str(target))
