@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from graphs.config import BOOL, POSITIVE_INT, ConfigError, read_fields
 from graphs.gemma4_text_config import Gemma4TextConfig, LayerGeometry
 
 OWNER = "Gemma4AssistantConfig"
@@ -28,23 +29,9 @@ _DEFAULTS: dict[str, Any] = dict(
 )
 
 
-class ConfigError(ValueError):
-    """An assistant ``config.json`` value the graph cannot be built from (the message names the key)."""
-
-
 def _read_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
-    fields = {}
-    for name, default in _DEFAULTS.items():
-        value = raw.get(name, default)
-        if isinstance(default, bool):
-            ok = isinstance(value, bool)
-        else:
-            ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-        if not ok:
-            kind = "true or false" if isinstance(default, bool) else "a positive int"
-            raise ConfigError(f"{OWNER}: {name} must be {kind}, got {value!r}")
-        fields[name] = value
-    return fields
+    kinds = {name: BOOL if isinstance(default, bool) else POSITIVE_INT for name, default in _DEFAULTS.items()}
+    return read_fields(raw, _DEFAULTS, kinds, OWNER)
 
 
 class DrafterMismatchError(ValueError):

@@ -5,9 +5,6 @@ saves a bare ``Gemma4AudioModel`` as ``gemma4_audio``. Every field is type-check
 (``graphs.config.read_fields``); values the graph does not implement (another activation, a
 subsampling stack that is not the reference's two convolutions) are refused here rather than run.
 
-Fields are read with a local ``read_fields`` of the same contract as ``graphs.config`` (which is
-being introduced beside this module; switch to it once it is committed).
-
 ``MediaTokenIds`` are the ids that place audio and video in a prompt (the image ids live in
 ``graphs.gemma4_multimodal_config.ImageTokenIds``): defaults are transformers' ``Gemma4Config``'s,
 which are the released tokenizer's.
@@ -16,42 +13,11 @@ which are the released tokenizer's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
-import math
+from graphs.config import BOOL, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, TEXT, TOKEN_ID, ConfigError, Kind, read_fields
 
 OWNER = "Gemma4AudioConfig"
-
-
-class ConfigError(ValueError):
-    """A config value the audio graph cannot be built from (names the key and the value)."""
-
-
-@dataclass(frozen=True)
-class Kind:
-    expected: str
-    accepts: Callable[[Any], bool]
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-POSITIVE_INT = Kind("a positive int", lambda v: _is_int(v) and v > 0)
-TOKEN_ID = Kind("a token id (an int >= 0)", lambda v: _is_int(v) and v >= 0)
-POSITIVE_FLOAT = Kind("a positive finite number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0)
-BOOL = Kind("true or false", lambda v: isinstance(v, bool))
-TEXT = Kind("a string", lambda v: isinstance(v, str))
-
-
-def read_fields(raw: Mapping[str, Any], defaults: Mapping[str, Any], kinds: Mapping[str, Kind], owner: str) -> dict[str, Any]:
-    out = {}
-    for name, default in defaults.items():
-        value = raw.get(name, default)
-        if not kinds[name].accepts(value):
-            raise ConfigError(f"{owner}: {name} must be {kinds[name].expected}, got {value!r} ({type(value).__name__})")
-        out[name] = value
-    return out
 
 
 def _audio_section(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -68,7 +34,6 @@ def _audio_section(raw: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"{OWNER}: unsupported audio_config model_type {inner.get('model_type')!r}; expected 'gemma4_audio'")
     return dict(inner)
 SUPPORTED_ACTIVATIONS = ("silu",)
-NON_NEGATIVE_INT = Kind("an int >= 0", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0)
 NUMBER = Kind("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
 
 # transformers 5.24's Gemma4AudioConfig defaults for every field the graph reads.
