@@ -150,7 +150,7 @@ def test_key_layouts_and_errors(tmp_path):
     assert set(map_gemma3_text_weights(multimodal, shapes, tied=tied)) == set(map_gemma3_text_weights(weights, shapes, tied=tied))
     with pytest.raises(ValueError, match="unexpected key 'model.layers.0.self_attn.extra.weight'"):
         map_gemma3_text_weights({**weights, "model.layers.0.self_attn.extra.weight": mx.zeros((2,))}, shapes, tied=tied)
-    with pytest.raises(ValueError, match="lacks 1 parameters: norm.weight"):
+    with pytest.raises(ValueError, match="lacks 1 parameters: 'norm.weight'"):
         map_gemma3_text_weights({k: v for k, v in weights.items() if k != "model.norm.weight"}, shapes, tied=tied)
     with pytest.raises(ValueError, match="'model.norm.weight' has shape"):
         map_gemma3_text_weights({**weights, "model.norm.weight": mx.zeros((3,))}, shapes, tied=tied)

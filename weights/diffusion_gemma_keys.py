@@ -27,7 +27,7 @@ from typing import Mapping, Sequence
 import mlx.core as mx
 
 from weights.gemma4_vision_keys import map_gemma4_vision_weights
-from weights.quantize import is_quantized_entry
+from weights.modules import check_complete, check_entry
 
 logger = logging.getLogger(__name__)
 
@@ -49,15 +49,7 @@ def map_diffusion_gemma_weights(
     mapped: dict[str, mx.array] = {}
     for key, value in weights.items():
         for name, array in _text_entries(key, value):
-            if is_quantized_entry(name, array, expected):  # packed weight, scales or biases
-                pass
-            elif name not in expected:
-                raise ValueError(f"diffusion_gemma keys: unexpected key {key!r} (no parameter {name!r} in the graph)")
-            elif tuple(array.shape) != tuple(expected[name]):
-                raise ValueError(
-                    f"diffusion_gemma keys: {key!r} gives {name!r} the shape {list(array.shape)}, "
-                    f"the graph expects {list(expected[name])}"
-                )
+            check_entry("diffusion_gemma keys", key, name, array, expected)
             if name in mapped:
                 raise ValueError(f"diffusion_gemma keys: {key!r} maps to {name!r}, which another key already provided")
             mapped[name] = array
@@ -69,11 +61,7 @@ def map_diffusion_gemma_weights(
         mapped.update({f"embed_vision.{k}": v for k, v in embedder.items()})
     elif any(key.startswith(VISION_PREFIXES) for key in weights):
         logger.debug("diffusion_gemma keys: dropping the vision weights (the config has no vision_config)")
-    missing = sorted(set(expected) - set(mapped))
-    if missing:
-        shown = ", ".join(repr(name) for name in missing[:20])
-        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
-        raise ValueError(f"diffusion_gemma keys: the checkpoint lacks {len(missing)} parameters: {shown}{more}")
+    check_complete("diffusion_gemma keys", mapped, expected)
     return mapped
 
 

@@ -6,7 +6,7 @@ from typing import Mapping, Sequence
 
 import mlx.core as mx
 
-from weights.quantize import is_quantized_entry
+from weights.modules import check_complete, check_entry
 
 # Where the text weights sit in each checkpoint layout, checked in this order ("model." is a prefix
 # of "model.language_model."): transformers Gemma3ForConditionalGeneration, mlx-vlm / older
@@ -46,17 +46,7 @@ def map_gemma3_text_weights(
             continue
         else:
             raise ValueError(f"gemma3 keys: unexpected key {key!r} (the text weights are under {prefix!r})")
-        if is_quantized_entry(name, value, expected):  # packed weight, scales or biases (MLX layouts)
-            pass
-        elif name not in expected:
-            raise ValueError(f"gemma3 keys: unexpected key {key!r} (no parameter {name!r} in the graph)")
-        elif tuple(value.shape) != tuple(expected[name]):
-            raise ValueError(
-                f"gemma3 keys: {key!r} has shape {list(value.shape)} in the checkpoint, "
-                f"the graph expects {list(expected[name])}"
-            )
+        check_entry("gemma3 keys", key, name, value, expected)
         mapped[name] = value
-    missing = sorted(set(expected) - set(mapped))
-    if missing:
-        raise ValueError(f"gemma3 keys: the checkpoint lacks {len(missing)} parameters: {', '.join(missing[:20])}")
+    check_complete("gemma3 keys", mapped, expected)
     return mapped

@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 
 import mlx.core as mx
 
-from weights.quantize import is_quantized_entry
+from weights.modules import check_complete, check_entry
 
 logger = logging.getLogger(__name__)
 
@@ -42,17 +42,9 @@ def map_gemma4_assistant_weights(
         if reason:
             logger.debug("gemma4_assistant keys: dropping %s (%s)", key, reason)
             continue
-        if name not in expected and not is_quantized_entry(name, value, expected):
-            raise ValueError(f"gemma4_assistant keys: unexpected key {key!r} (no parameter {name!r} in the graph)")
         if name.endswith("token_ordering"):
             value = value.astype(mx.int32)
-        elif not is_quantized_entry(name, value, expected) and tuple(value.shape) != tuple(expected[name]):
-            raise ValueError(
-                f"gemma4_assistant keys: {key!r} has shape {list(value.shape)} in the checkpoint, "
-                f"the graph expects {list(expected[name])}"
-            )
+        check_entry("gemma4_assistant keys", key, name, value, expected)
         mapped[name] = value
-    missing = sorted(set(expected) - set(mapped))
-    if missing:
-        raise ValueError(f"gemma4_assistant keys: the checkpoint lacks {len(missing)} parameters: {missing[:20]}")
+    check_complete("gemma4_assistant keys", mapped, expected)
     return mapped

@@ -23,6 +23,7 @@ from typing import Mapping, Sequence
 
 import mlx.core as mx
 
+from weights.modules import check_complete, check_entry
 from weights.quantize import is_quantized_entry
 
 logger = logging.getLogger(__name__)
@@ -87,23 +88,11 @@ def _map_part(weights, prefix: str, expected, clipped: bool, part: str) -> dict[
             continue  # a bare tower has no prefix: other parts' keys are not its own
         if _dropped(key, name, value, clipped):
             continue
-        if is_quantized_entry(name, value, expected):
-            mapped[name] = value
-            continue
-        if name not in expected:
-            raise ValueError(f"gemma4 audio keys: unexpected key {key!r} (no parameter {name!r} in the {part})")
-        want = tuple(expected[name])
-        value = _to_mlx_layout(name, value, want)
-        if tuple(value.shape) != want:
-            raise ValueError(
-                f"gemma4 audio keys: {key!r} has shape {list(value.shape)} in the checkpoint, the {part} expects {list(want)}"
-            )
+        if name in expected and not is_quantized_entry(name, value, expected):
+            value = _to_mlx_layout(name, value, tuple(expected[name]))
+        check_entry("gemma4 audio keys", key, name, value, expected, part)
         mapped[name] = value
-    missing = sorted(set(expected) - set(mapped))
-    if missing:
-        shown = ", ".join(repr(prefix + name) for name in missing[:20])
-        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
-        raise ValueError(f"gemma4 audio keys: the checkpoint lacks {len(missing)} {part} parameters: {shown}{more}")
+    check_complete("gemma4 audio keys", mapped, expected, part, prefix)
     return mapped
 
 

@@ -27,7 +27,9 @@ from typing import Collection, Mapping, Sequence
 
 import mlx.core as mx
 
-from weights.quantize import is_quantized_entry
+from weights.modules import check_complete, check_entry
+
+OWNER = "gemma4 keys"
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +72,7 @@ def map_gemma4_text_weights(
             if target in mapped:
                 raise ValueError(f"gemma4 keys: {key!r} maps to {target!r}, which another key already provided")
             mapped[target] = array
-    _check_complete(mapped, expected)
+    check_complete(OWNER, mapped, expected)
     return mapped
 
 
@@ -112,33 +114,15 @@ def _rename(key: str, name: str, value: mx.array, expected: Mapping[str, Sequenc
         # transformers packs [gate; up] along the output axis: rows [0, Im) gate, [Im, 2 Im) up.
         base = name.removesuffix("gate_up_proj") + "switch_glu."
         gate_name, up_name = base + "gate_proj.weight", base + "up_proj.weight"
-        gate_shape = _expected_shape(key, gate_name, expected)
-        packed_shape = (*gate_shape[:-2], 2 * gate_shape[-2], gate_shape[-1])
-        _check_shape(key, tuple(value.shape), packed_shape)
+        if gate_name not in expected:
+            check_entry(OWNER, key, gate_name, value, expected)  # raises: no such parameter
+        want = tuple(expected[gate_name])
+        packed = (*want[:-2], 2 * want[-2], want[-1])
+        if tuple(value.shape) != packed:
+            raise ValueError(f"{OWNER}: {key!r} has shape {list(value.shape)} in the checkpoint, the graph expects {list(packed)}")
         gate, up = mx.split(value, 2, axis=-2)
         return [(gate_name, mx.contiguous(gate)), (up_name, mx.contiguous(up))]
     if name.endswith(".experts.down_proj"):
         name = name.removesuffix("down_proj") + "switch_glu.down_proj.weight"
-    if is_quantized_entry(name, value, expected):  # packed weight, scales or biases (MLX layouts)
-        return [(name, value)]
-    _check_shape(key, tuple(value.shape), _expected_shape(key, name, expected))
+    check_entry(OWNER, key, name, value, expected)
     return [(name, value)]
-
-
-def _expected_shape(key: str, name: str, expected: Mapping[str, Sequence[int]]) -> tuple[int, ...]:
-    if name not in expected:
-        raise ValueError(f"gemma4 keys: unexpected key {key!r} (no parameter {name!r} in the graph)")
-    return tuple(expected[name])
-
-
-def _check_shape(key: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
-    if got != want:
-        raise ValueError(f"gemma4 keys: {key!r} has shape {list(got)} in the checkpoint, the graph expects {list(want)}")
-
-
-def _check_complete(mapped: Mapping[str, mx.array], expected: Mapping[str, Sequence[int]]) -> None:
-    missing = sorted(set(expected) - set(mapped))
-    if missing:
-        shown = ", ".join(repr(m) for m in missing[:20])
-        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
-        raise ValueError(f"gemma4 keys: the checkpoint lacks {len(missing)} parameters: {shown}{more}")

@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 
 import mlx.core as mx
 
-from weights.quantize import is_quantized_entry
+from weights.modules import check_complete, check_entry
 
 logger = logging.getLogger(__name__)
 
@@ -84,23 +84,9 @@ def _map_part(
         name = key[len(prefix) :]
         if _dropped(key, name, value, clipped):
             continue
-        if is_quantized_entry(name, value, expected):  # packed weight, scales or biases
-            mapped[name] = value
-            continue
-        if name not in expected:
-            raise ValueError(f"gemma4 vision keys: unexpected key {key!r} (no parameter {name!r} in the {part})")
-        want = tuple(expected[name])
-        if tuple(value.shape) != want:
-            raise ValueError(
-                f"gemma4 vision keys: {key!r} has shape {list(value.shape)} in the checkpoint, "
-                f"the {part} expects {list(want)}"
-            )
+        check_entry("gemma4 vision keys", key, name, value, expected, part)
         mapped[name] = value
-    missing = sorted(set(expected) - set(mapped))
-    if missing:
-        shown = ", ".join(repr(prefix + name) for name in missing[:20])
-        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
-        raise ValueError(f"gemma4 vision keys: the checkpoint lacks {len(missing)} {part} parameters: {shown}{more}")
+    check_complete("gemma4 vision keys", mapped, expected, part, prefix)
     return mapped
 
 
