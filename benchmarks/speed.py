@@ -305,6 +305,8 @@ def bandwidth_gbs(threads: int = 2, gib: float = 1.0, repeats: int = 7) -> float
 
 def spawn(stack: str, folder: Path, args, env: dict | None = None, options: dict | None = None) -> dict:
     options = options or {}
+    if stack == "mlx-lm stock":  # as a user gets it: the installed import hook must not load the fast BLAS
+        env = {"GEMMA_ZOO_BLAS": "off", **(env or {})}
     gen, runs = (min(args.gen, 32), 1) if options.get("short") else (args.gen, args.runs)
     cmd = [sys.executable, "-m", "benchmarks.speed", "--child", stack, "--path", str(folder), "--prompt",
            str(args.prompt), "--gen", str(gen), "--runs", str(runs), "--options", json.dumps(options)]  # fmt: skip
