@@ -4,8 +4,13 @@ On a GPU (and with ``GEMMA_ZOO_FAST_MATH=0``) attention is MLX's fused kernel. O
 kernel falls back to matmuls around ``mx.softmax``, whose ``exp`` is a scalar loop; there
 ``attend`` runs the same products itself, with GQA folded into rows (one product per kv head, the
 stored keys never broadcast) and ``cache.cpu_math.softmax``, in blocks of queries
-(``BLOCK_SCORES``; a causal block skips the keys after its last query). A single query (decode)
-keeps MLX's kernel, which is the faster of the two there. ``docs/speed.md`` has the measurements.
+(``BLOCK_SCORES``; a causal block skips the keys after its last query). An unmasked read (the
+vision tower's bidirectional image, an encoder read) runs one kv head at a time in blocks of at
+most ``BLOCK_SCORES_UNMASKED`` scores: with no mask to slice, a block can hold many more queries of
+one head than of all heads together, so the products are larger and there are fewer of them
+(measured faster than both the all-heads blocks and MLX's fused kernel at every vision-tower
+budget, 70 to 1120 soft tokens). A single query (decode) keeps MLX's kernel, which is the faster
+of the two there. ``docs/speed.md`` has the measurements.
 """
 
 from __future__ import annotations
@@ -23,11 +28,17 @@ from . import cpu_math
 # (2^16 to 2^18 measure alike, 2^19 slower: docs/speed.md).
 BLOCK_SCORES = 1 << 17
 
+# Scores per block of an unmasked read, per kv head (2^18 and 2^19 measure alike on the vision
+# tower's shapes; each block is one kv head's [rows, T] product: docs/speed.md).
+BLOCK_SCORES_UNMASKED = 1 << 18
+
 
 def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
     """``softmax(q k^T * scale + mask) v`` with GQA; ``mask`` as ``cache.masks`` builds it."""
     if q.shape[2] == 1 or not cpu_math.active():
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    if mask is None:
+        return _attend_unmasked(q, keys, values, scale)
     B, Hq, L, _ = q.shape
     T = keys.shape[2]
     block = max(1, BLOCK_SCORES // (B * Hq * T))
@@ -45,6 +56,23 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) ->
             rows = None if mask is None else mask[..., start:end, :]
             outs.append(_attend_rows(q[:, :, start:end], keys, values, scale, rows))
     return mx.concatenate(outs, axis=2)
+
+
+def _attend_unmasked(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:
+    """Unmasked attention, one kv head at a time: its folded query rows in blocks of at most
+    ``BLOCK_SCORES_UNMASKED // (B * T)``, each one ``[rows, T]`` product, softmax and ``@ v``."""
+    B, Hkv, T, _ = keys.shape
+    rows = fold_queries(q, scale, Hkv)
+    block = max(1, BLOCK_SCORES_UNMASKED // (B * T))
+    heads = []
+    for h in range(Hkv):
+        k_t, v = keys[:, h : h + 1].swapaxes(-1, -2), values[:, h : h + 1]
+        outs = []
+        for start in range(0, rows.shape[2], block):
+            probs = cpu_math.softmax(rows[:, h : h + 1, start : start + block] @ k_t)
+            outs.append(probs.astype(q.dtype) @ v)
+        heads.append(outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2))
+    return unfold_queries(heads[0] if Hkv == 1 else mx.concatenate(heads, axis=1), q.shape[1])
 
 
 def _attend_rows(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
