@@ -12,7 +12,7 @@ from cache import cache_offset
 
 from models.checks import check_token_ids, id_array, id_list, no_tokenizer_error
 from models.generation.generate import DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions, generate_tokens
-from models.processing.image_processor import DEFAULT_MAX_SOFT_TOKENS, Gemma4ImageProcessor, ImageInput, ProcessedImage
+from models.processing.image_processor import Gemma4ImageProcessor, ImageInput, ProcessedImage
 from models.generation.prompts import Prompt, expand_image_placeholders
 from models.media import MediaMixin
 
@@ -48,7 +48,9 @@ class Model(MediaMixin):
         self.generation_config = generation_config
         self.path = Path(path)
         self.model_type = model_type
-        self.max_soft_tokens = DEFAULT_MAX_SOFT_TOKENS  # the per-image budget when a call gives none
+        # The per-image budget when a call gives none; None: the checkpoint's image processor setting
+        # (processor_config.json / preprocessor_config.json), transformers' default 280 when absent.
+        self.max_soft_tokens: int | None = None
 
     # ------------------------------------------------------------------------------ forward
     def make_cache(self) -> list:
@@ -107,11 +109,9 @@ class Model(MediaMixin):
         """Paths, PIL images or uint8 arrays as the vision tower reads them (processed ones pass through)."""
         self._check_vision()
         vision = self.config.vision
-        processor = Gemma4ImageProcessor(
-            self.max_soft_tokens if max_soft_tokens is None else max_soft_tokens,
-            patch_size=vision.patch_size,
-            pooling_kernel_size=vision.pooling_kernel_size,
-        )
+        settings = self.processor_settings.image_processor_settings(vision.patch_size, vision.pooling_kernel_size)
+        budget = next((b for b in (max_soft_tokens, self.max_soft_tokens) if b is not None), settings["max_soft_tokens"])
+        processor = Gemma4ImageProcessor(**{**settings, "max_soft_tokens": budget})
         return [image if isinstance(image, ProcessedImage) else processor.process(image) for image in images]
 
     def encode_images(

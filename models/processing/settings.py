@@ -100,6 +100,34 @@ class ProcessorSettings:
         settings._check(found, folder)
         return settings
 
+    def image_processor_settings(self, patch_size: int, pooling_kernel_size: int) -> dict:
+        """``max_soft_tokens``, ``patch_size`` and ``pooling_kernel_size`` for the image processor,
+        checked against the vision tower's ``patch_size`` / ``pooling_kernel_size``.
+
+        The budget is the image processor's ``max_soft_tokens`` (280 when absent), the value
+        transformers' ``Gemma4ImageProcessor`` resizes by and ``Gemma4Processor`` counts image tokens
+        with; the processor's ``image_seq_length`` is stored by the reference but never used for
+        either, so it is not used here. Resize, rescale, normalisation and resample filter are
+        checked when the settings are read (``_check``); a patch size or pooling kernel other than
+        the tower's, or a budget outside ``SUPPORTED_SOFT_TOKEN_BUDGETS``, raises
+        ``ProcessorSettingsError`` naming the key.
+        """
+        from models.processing.image_processor import SUPPORTED_SOFT_TOKEN_BUDGETS
+
+        values, where = self.image, self.source["image"]
+        for key, tower in (("patch_size", patch_size), ("pooling_kernel_size", pooling_kernel_size)):
+            if values[key] != tower:
+                raise ProcessorSettingsError(
+                    f"{where}: image {key} {values[key]!r} differs from the vision tower's {tower}; "
+                    "the tower cannot read such patches"
+                )
+        budget = values["max_soft_tokens"]
+        if type(budget) is not int or budget not in SUPPORTED_SOFT_TOKEN_BUDGETS:
+            raise ProcessorSettingsError(
+                f"{where}: image max_soft_tokens must be one of {SUPPORTED_SOFT_TOKEN_BUDGETS}, got {budget!r}"
+            )
+        return dict(max_soft_tokens=budget, patch_size=patch_size, pooling_kernel_size=pooling_kernel_size)
+
     def _check(self, found: dict[str, dict], folder) -> None:
         for part, defaults in (("image", IMAGE_DEFAULTS), ("video", VIDEO_DEFAULTS), ("audio", AUDIO_DEFAULTS)):
             unknown = sorted(set(found[part]) - set(defaults) - _BOOKKEEPING)
@@ -119,6 +147,11 @@ class ProcessorSettings:
                     f"normalisation and resize (Gemma 4's settings); got do_rescale={values['do_rescale']}, "
                     f"rescale_factor={values['rescale_factor']}, do_normalize={values['do_normalize']}, "
                     f"image_mean={values['image_mean']}, image_std={values['image_std']}, do_resize={values['do_resize']}"
+                )
+            if values["do_convert_rgb"] is not True:
+                raise ProcessorSettingsError(
+                    f"{self.source[part]} in {folder}: {part} do_convert_rgb={values['do_convert_rgb']!r}; our "
+                    "processors always convert to RGB (transparency onto white)"
                 )
             if values["resample"] not in (3, "bicubic", "BICUBIC"):
                 raise ProcessorSettingsError(f"{self.source[part]} in {folder}: {part} resample must be bicubic (3), got {values['resample']!r}")
