@@ -28,9 +28,30 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from cache import cpu_math
 from graphs.gemma4_audio_config import FEATURE_SIZE, Gemma4AudioConfig
 from graphs.gemma4_vision import ClippableLinear
 from graphs.layers import RMSNorm
+
+
+@mx.compile
+def _over_one_plus(x: mx.array, e: mx.array) -> mx.array:
+    return x / (1.0 + e)
+
+
+def _sigmoid_times(x: mx.array, y: mx.array) -> mx.array:
+    """``y * sigmoid(x)``: on the CPU with ``cache.cpu_math``'s vectorised ``exp`` (MLX's CPU
+    ``sigmoid`` is a scalar loop; the SiLUs and the GLU gate were about a fifth of the 30 s tower's
+    time), computed in float32 (within 1e-7 relative of float64); elsewhere MLX's ``sigmoid``."""
+    if not cpu_math.active():
+        return y * mx.sigmoid(x)
+    e = cpu_math.exp_shifted(-x.astype(mx.float32), mx.zeros((1,), mx.float32))
+    return _over_one_plus(y.astype(mx.float32), e).astype(y.dtype)
+
+
+def _silu(x: mx.array) -> mx.array:
+    """``x * sigmoid(x)`` (``nn.silu``), vectorised on the CPU."""
+    return _sigmoid_times(x, x)
 
 
 def _clip(x: mx.array, bound: float) -> mx.array:
@@ -84,7 +105,7 @@ class AudioFeedForward(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         h = self.pre_layer_norm(_clip(x, self.clipping))
-        h = self.ffw_layer_2(nn.silu(self.ffw_layer_1(h)))
+        h = self.ffw_layer_2(_silu(self.ffw_layer_1(h)))
         return x + self.post_layer_norm(_clip(h, self.clipping)) * self.scale
 
 
@@ -179,14 +200,14 @@ class LightConv1d(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         h = self.linear_start(self.pre_layer_norm(x))
         a, b = mx.split(h, 2, axis=-1)
-        h = a * mx.sigmoid(b)
+        h = _sigmoid_times(b, a)
         weight = self.depthwise_conv1d.weight
         K = weight.shape[1]
         padded = mx.pad(h, [(0, 0), (K - 1, 0), (0, 0)])
         T = h.shape[1]
         # Causal depthwise convolution as K shifted products (the kernel is 5 wide).
         h = sum(padded[:, j : j + T] * weight[:, j, 0].astype(h.dtype) for j in range(K))
-        h = nn.silu(self.conv_norm(_clip(h, self.clipping)))
+        h = _silu(self.conv_norm(_clip(h, self.clipping)))
         return x + self.linear_end(h)
 
 
