@@ -149,7 +149,10 @@ def prepare(graph: nn.Module, precision: Precision) -> list[str]:
     """
     notes: list[str] = []
     if cpu_math.active():
-        notes.append("CPU kernels: vectorised exp (softmax), tanh (GELU, softcap), RoPE tables (GEMMA_ZOO_FAST_MATH=0: MLX's ops)")
+        notes.append(
+            "CPU kernels: vectorised exp (softmax), tanh (GELU, softcap), RoPE tables, attention in query blocks "
+            "(unmasked reads: per kv head) (GEMMA_ZOO_FAST_MATH=0: MLX's ops)"
+        )
     if zoo_switches.enabled("GEMMA_ZOO_COMPILE"):
         notes.append("decode q/k norm + RoPE compiled (GEMMA_ZOO_COMPILE=0: as plain ops)")
     if not on_cpu() or not fast_cpu_blas():
