@@ -1,0 +1,126 @@
+"""Gemma 4 audio and video encoders: ours against mlx-vlm 0.7.10's on the same random checkpoint.
+
+The checkpoint (built once, cached in ``.assets/bench/gemma4-media-small``) is the image benchmark's
+(``benchmarks.gemma4_vision_vs_mlx_vlm``: text hidden 512, 8 layers, vision tower hidden 384, 4
+layers) plus an audio tower of the released size (transformers' default ``Gemma4AudioConfig``: 12
+Conformer layers of width 1024), random, float32, saved by transformers.
+
+What is timed, in one process, the two stacks taking turns run by run (ours, mlx-vlm, mlx-vlm,
+ours, ...; ratios are the median of adjacent pairs): the **encoder part of the time to first
+token** on identical inputs, i.e. the tower plus the embedder into the text space, evaluated:
+
+- audio: one 30 s clip (a tone plus noise, 16 kHz) as 3000 log-mel frames from our processor
+  (transformers' extractor), ours through ``Model.encode_audio``, mlx-vlm through
+  ``model.audio_tower(features, mask)`` and ``model.embed_audio``;
+- video: 32 frames (360x480, budget 70: 630 patches each) as patches from our video processor, ours
+  through ``Model.encode_videos`` (frames batched 4 at a time), mlx-vlm through
+  ``model.vision_tower`` on all 32 frames as one ``[1, 32, L, 768]`` video and ``model.embed_vision``.
+
+Preprocessing and the text prefill are not in these numbers (our prefill against mlx-vlm's on an image
+prompt is in ``docs/multimodal.md``); the outputs of the two stacks are compared (max difference).
+
+    python -m benchmarks.gemma4_media_vs_mlx_vlm --mlx-vlm-path /tmp/mlxvlm [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINT = ROOT / ".assets" / "bench" / "gemma4-media-small"
+
+
+def build_checkpoint() -> Path:
+    if (CHECKPOINT / "config.json").exists():
+        return CHECKPOINT
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from benchmarks.gemma4_vision_vs_mlx_vlm import TEXT, VISION
+
+    torch.manual_seed(0)
+    config = Gemma4Config(text_config=TEXT, vision_config=VISION, audio_config={}, initializer_range=0.02)
+    tmp = CHECKPOINT.with_name(CHECKPOINT.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    Gemma4ForConditionalGeneration(config).eval().save_pretrained(tmp)
+    written = json.loads((tmp / "config.json").read_text())
+    written["text_config"].update(global_head_dim=TEXT["global_head_dim"])
+    (tmp / "config.json").write_text(json.dumps(written, indent=2))
+    shutil.rmtree(CHECKPOINT, ignore_errors=True)
+    tmp.rename(CHECKPOINT)
+    return CHECKPOINT
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--mlx-vlm-path", help="a folder holding the mlx_vlm package")
+    args = parser.parse_args()
+    path = build_checkpoint()
+    if args.mlx_vlm_path:
+        sys.path.append(args.mlx_vlm_path)
+
+    import numpy as np
+
+    import models  # before mlx.core (loads the BLAS)
+    import mlx.core as mx
+    from mlx_vlm.utils import load_model
+
+    ours = models.load(str(path), tokenizer=False)
+    mx.eval(ours.graph.parameters())
+    theirs = load_model(path)
+
+    rng = np.random.default_rng(0)
+    t = np.arange(30 * 16_000) / 16_000
+    clip = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+    (audio,) = ours.process_audio([(clip, 16_000)])
+    frames = rng.integers(0, 256, (32, 360, 480, 3), dtype=np.uint8)
+    (video,) = ours.process_videos([frames], max_soft_tokens=70)
+    feats = mx.array(audio.features)[None]
+    mask = mx.zeros(feats.shape[:2], dtype=mx.bool_)
+    patches = mx.array(np.stack(video.patches))[None]
+    positions = mx.array(np.broadcast_to(video.position_ids, (1, len(video.patches), *video.position_ids.shape)).astype(np.int32))
+
+    def ours_audio():
+        return ours.encode_audio([audio])[0]
+
+    def theirs_audio():
+        out = theirs.embed_audio(theirs.audio_tower(feats, mask)[0])[0]
+        mx.eval(out)
+        return out
+
+    def ours_video():
+        return mx.concatenate(ours.encode_videos([video])[0].frames)
+
+    def theirs_video():
+        out = theirs.embed_vision(theirs.vision_tower(patches, positions)).reshape(-1, ours.config.text.hidden_size)
+        mx.eval(out)
+        return out
+
+    print(f"checkpoint {path.name}; audio: 30 s, {audio.features.shape[0]} mel frames, {audio.num_soft_tokens} soft tokens; "
+          f"video: {len(video.patches)} frames {video.height}x{video.width}, {video.patches[0].shape[0]} patches and "
+          f"{video.num_soft_tokens} soft tokens each", flush=True)
+    for name, mine, peer in (("audio 30 s", ours_audio, theirs_audio), ("video 32 frames", ours_video, theirs_video)):
+        a, b = mine(), peer()  # warm-up, and the outputs compared
+        diff = float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()) if a.shape == b.shape else float("nan")
+        times: dict[str, list[float]] = {"ours": [], "mlx-vlm": []}
+        for i in range(args.runs):
+            order = (("ours", mine), ("mlx-vlm", peer)) if i % 2 == 0 else (("mlx-vlm", peer), ("ours", mine))
+            for who, fn in order:
+                start = time.perf_counter()
+                fn()
+                times[who].append(time.perf_counter() - start)
+        ratio = statistics.median(x / y for x, y in zip(times["ours"], times["mlx-vlm"]))
+        print(f"| {name} | {statistics.median(times['ours']):.2f} s [{min(times['ours']):.2f}-{max(times['ours']):.2f}] | "
+              f"{statistics.median(times['mlx-vlm']):.2f} s [{min(times['mlx-vlm']):.2f}-{max(times['mlx-vlm']):.2f}] | "
+              f"{ratio:.2f}x | shapes {list(a.shape)} / {list(b.shape)}, max diff {diff:.1e} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
