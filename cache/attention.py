@@ -8,8 +8,8 @@ stored keys never broadcast) and ``cache.cpu_math.softmax``, in blocks of querie
 vision tower's bidirectional image, an encoder read) runs one kv head at a time in blocks of at
 most ``BLOCK_SCORES_UNMASKED`` scores: with no mask to slice, a block can hold many more queries of
 one head than of all heads together, so the products are larger and there are fewer of them
-(measured faster than both the all-heads blocks and MLX's fused kernel at every vision-tower
-budget, 70 to 1120 soft tokens). A single query (decode) keeps MLX's kernel, which is the faster
+(measured faster than both the all-heads blocks and MLX's fused kernel at vision-tower budgets
+70 to 560 soft tokens, and than the all-heads blocks at 1120). A single query (decode) keeps MLX's kernel, which is the faster
 of the two there. ``docs/speed.md`` has the measurements.
 """
 
