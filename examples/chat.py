@@ -63,8 +63,9 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP)
-    p.add_argument("--max-soft-tokens", type=int, choices=SUPPORTED_SOFT_TOKEN_BUDGETS, default=DEFAULT_MAX_SOFT_TOKENS,
-                   help="soft tokens per image (more = finer detail, longer prompt)")  # fmt: skip
+    p.add_argument("--max-soft-tokens", type=int, choices=SUPPORTED_SOFT_TOKEN_BUDGETS, default=None,
+                   help="soft tokens per image (more = finer detail, longer prompt); default: the checkpoint's "
+                        f"preprocessor setting, else {DEFAULT_MAX_SOFT_TOKENS}")  # fmt: skip
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="weights' dtype: auto (default) picks per device: float32 on a CPU with a fast BLAS, "
                         "the checkpoint's dtype on a GPU; --verbose says which")  # fmt: skip

@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", "-m", type=int, help="rounded up to whole blocks (default: the checkpoint's, else 256)")
     p.add_argument("--steps", type=int, help="max_denoising_steps per block (default: the checkpoint's, else 48)")
     p.add_argument("--seed", type=int, help="makes the run reproducible (default: a fresh seed, printed at the end)")
-    p.add_argument("--max-soft-tokens", type=int, default=280, help="per-image budget: 70, 140, 280, 560 or 1120")
+    p.add_argument("--max-soft-tokens", type=int, default=None, help="per-image budget: 70, 140, 280 (default), 560 or 1120")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--html", metavar="FILE", help="save the denoising as a self-contained HTML page")
     p.add_argument("--no-live", action="store_true", help="no in-place canvas, only the committed text")

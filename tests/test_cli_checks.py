@@ -51,3 +51,13 @@ def test_the_writability_probe_leaves_nothing_behind(tmp_path):
     assert check_writable(str(target), "--transcript") is None and not target.exists()
     target.write_text("kept")
     assert check_writable(str(target), "--transcript") is None and target.read_text() == "kept"
+
+
+def test_the_image_budget_defaults_to_the_checkpoints_setting():
+    """Without --max-soft-tokens the examples pass None, so the checkpoint's preprocessor setting
+    (or the reference's 280) decides, never a hard-coded CLI default."""
+    from examples import chat, diffusion_canvas
+
+    assert chat.parse_args([]).max_soft_tokens is None
+    assert chat.parse_args(["--max-soft-tokens", "140"]).max_soft_tokens == 140
+    assert diffusion_canvas.parse_args(["--model", "m", "--prompt", "p"]).max_soft_tokens is None
