@@ -61,3 +61,20 @@ def test_the_image_budget_defaults_to_the_checkpoints_setting():
     assert chat.parse_args([]).max_soft_tokens is None
     assert chat.parse_args(["--max-soft-tokens", "140"]).max_soft_tokens == 140
     assert diffusion_canvas.parse_args(["--model", "m", "--prompt", "p"]).max_soft_tokens is None
+
+
+@pytest.mark.parametrize("library, call", [
+    ("soundfile", lambda tmp: __import__("models.processing.audio", fromlist=["x"])._decode_file(str(tmp))),
+    ("av", lambda tmp: __import__("models.processing.video", fromlist=["x"])._decode_sampled(str(tmp), 4, None)),
+])  # fmt: skip
+def test_a_missing_media_library_says_how_to_install_it(monkeypatch, tmp_path, library, call):
+    """Audio and video decoding need the ``media`` extra; without it the error says so by name."""
+    import sys
+
+    from models.processing import MediaLibraryMissingError
+
+    clip = tmp_path / "clip.bin"
+    clip.write_bytes(b"\0" * 64)
+    monkeypatch.setitem(sys.modules, library, None)  # as if not installed
+    with pytest.raises(MediaLibraryMissingError, match=rf"'{library}'.*pip install -e \"\.\[media\]\""):
+        call(clip)

@@ -31,6 +31,7 @@ from typing import Mapping, Sequence, Tuple, Union
 
 import numpy as np
 
+from models.processing import media_module
 from models.processing.settings import AUDIO_DEFAULTS, PROCESSOR_DEFAULTS
 
 AudioInput = Union[str, os.PathLike, Tuple[np.ndarray, int], np.ndarray]
@@ -99,8 +100,7 @@ def load_audio(source: AudioInput, sampling_rate: int = 16_000) -> tuple[np.ndar
     if not np.isfinite(samples).all():
         raise NonFiniteAudioError(f"audio {name} holds NaN or infinite samples")
     if int(rate) != sampling_rate:
-        import soxr
-
+        soxr = media_module("soxr", "resampling audio")
         samples = soxr.resample(samples, int(rate), sampling_rate, quality="HQ").astype(np.float32)
     return np.ascontiguousarray(samples, dtype=np.float32), name
 
@@ -116,8 +116,7 @@ def _as_float(samples: np.ndarray, name: str) -> np.ndarray:
 def _decode_file(path: str) -> tuple[np.ndarray, int]:
     if not os.path.isfile(path):
         raise AudioDecodeError(f"audio {path!r}: no such file")
-    import soundfile
-
+    soundfile = media_module("soundfile", f"reading audio {path!r}")
     try:
         samples, rate = soundfile.read(path, dtype="float32", always_2d=True)
         return samples, int(rate)

@@ -34,6 +34,7 @@ from typing import Mapping, Sequence, Union
 
 import numpy as np
 
+from models.processing import media_module
 from models.processing.image_processor import SUPPORTED_SOFT_TOKEN_BUDGETS, _patchify, target_size
 from models.processing.settings import VIDEO_DEFAULTS
 
@@ -206,7 +207,7 @@ def _decode_sampled(path: str, num_frames: int | None, fps: float | None) -> tup
     """The sampled frames (rgb24 uint8), their indices, the stream's fps and its frame count."""
     if not os.path.isfile(path):
         raise VideoDecodeError(f"video {path!r}: no such file")
-    import av
+    av = media_module("av", f"reading video {path!r}")
 
     try:
         container = av.open(path)
