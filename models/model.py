@@ -8,10 +8,10 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
-from cache import cache_offset
-
 from models.checks import check_token_ids, id_array, id_list, no_tokenizer_error
-from models.generation.generate import DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions, generate_tokens
+from models.generation.generate import (
+    DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions, check_context, generate_tokens,
+)  # fmt: skip
 from models.processing.image_processor import Gemma4ImageProcessor, ImageInput, ProcessedImage
 from models.generation.prompts import Prompt, expand_image_placeholders
 from models.media import MediaMixin
@@ -167,13 +167,7 @@ class Model(MediaMixin):
         return getattr(self.config, "max_position_embeddings", None)
 
     def _check_context(self, cache, new: int) -> None:
-        limit = self.max_context
-        offset = cache_offset(cache)
-        if limit is not None and offset + new > limit:
-            raise ValueError(
-                f"the prompt does not fit the context: {offset} cached + {new} new positions > "
-                f"max_position_embeddings {limit}"
-            )
+        check_context(cache, new, self.max_context)
 
     # ---------------------------------------------------------------------------- generation
     @property

@@ -196,6 +196,17 @@ def prefill(
     return logits[0, -1]
 
 
+def check_context(cache: list, new: int, max_context: int | None) -> int:
+    """The cache's offset, after checking that ``new`` more positions fit ``max_context`` (None: no limit)."""
+    offset = cache_offset(cache)
+    if max_context is not None and offset + new > max_context:
+        raise ValueError(
+            f"the prompt does not fit the context: {offset} cached + {new} new positions > "
+            f"max_position_embeddings {max_context}"
+        )
+    return offset
+
+
 def generate_tokens(
     forward,
     prompt_ids: Sequence[int],
@@ -234,12 +245,7 @@ def generate_tokens(
     sampler = options.sampler()
     stop_ids = set(stop_ids)
     stats = stats if stats is not None else GenerationStats()
-    offset = cache_offset(cache)
-    if max_context is not None and offset + len(prompt_ids) > max_context:
-        raise ValueError(
-            f"the prompt does not fit the context: {offset} cached + {len(prompt_ids)} new positions > "
-            f"max_position_embeddings {max_context}"
-        )
+    offset = check_context(cache, len(prompt_ids), max_context)
 
     def sample(logits: mx.array) -> mx.array:
         if options.temp == 0:  # greedy: the argmax needs no normalising

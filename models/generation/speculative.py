@@ -32,8 +32,8 @@ from graphs.gemma4_assistant import Gemma4AssistantModel
 from graphs.gemma4_assistant_config import DrafterMismatchError
 
 from models.generation.generate import (
-    DEFAULT_PREFILL_STEP, GenerationOptionError, GenerationStats, KVQuantization, SamplingOptions, check_positive_int,
-    prefill,
+    DEFAULT_PREFILL_STEP, GenerationOptionError, GenerationStats, KVQuantization, SamplingOptions, check_context,
+    check_positive_int, prefill,
 )  # fmt: skip
 from models.generation.prompts import ImageSpan
 
@@ -251,12 +251,7 @@ def speculative_tokens(
     greedy = options.temp == 0
     graph = target.graph
     needs_hidden = drafter.needs_hidden
-    offset = cache_offset(cache)
-    if max_context is not None and offset + len(prompt_ids) > max_context:
-        raise ValueError(
-            f"the prompt does not fit the context: {offset} cached + {len(prompt_ids)} new positions > "
-            f"max_position_embeddings {max_context}"
-        )
+    offset = check_context(cache, len(prompt_ids), max_context)
 
     def choose(logits: mx.array):
         """A token from logits ``[V]`` and the distribution it was drawn from (None when greedy)."""
