@@ -23,7 +23,7 @@ from typing import Mapping, Sequence
 
 import mlx.core as mx
 
-from weights.modules import check_complete, check_entry
+from weights.modules import check_complete, check_entry, detect_prefix
 from weights.quantize import is_quantized_entry
 
 logger = logging.getLogger(__name__)
@@ -48,23 +48,13 @@ def map_gemma4_audio_weights(
     clipped: bool,
 ) -> tuple[dict[str, mx.array], dict[str, mx.array]]:
     """``(tower weights, embedder weights)`` under our parameter names, shape-checked (as the vision mapping)."""
-    tower_prefix = _detect_prefix(weights, TOWER_PREFIXES, _TOWER_MARKER, "audio tower")
+    tower_prefix = detect_prefix("gemma4 audio keys", weights, TOWER_PREFIXES, _TOWER_MARKER, "audio tower")
     tower = _map_part(weights, tower_prefix, tower_expected, clipped, "audio tower")
     embedder: dict[str, mx.array] = {}
     if embedder_expected is not None:
-        prefix = _detect_prefix(weights, EMBEDDER_PREFIXES, _EMBEDDER_MARKER, "audio embedder")
+        prefix = detect_prefix("gemma4 audio keys", weights, EMBEDDER_PREFIXES, _EMBEDDER_MARKER, "audio embedder")
         embedder = _map_part(weights, prefix, embedder_expected, clipped, "audio embedder")
     return tower, embedder
-
-
-def _detect_prefix(weights, prefixes, marker: str, part: str) -> str:
-    for prefix in prefixes:
-        if prefix + marker in weights:
-            return prefix
-    raise ValueError(
-        f"gemma4 audio keys: no {part} weights in the checkpoint (looked for {[p + marker for p in prefixes]}); "
-        f"first keys: {sorted(weights)[:5]}"
-    )
 
 
 def _to_mlx_layout(name: str, value: mx.array, want: tuple[int, ...]) -> mx.array:

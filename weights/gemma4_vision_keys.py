@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 
 import mlx.core as mx
 
-from weights.modules import check_complete, check_entry
+from weights.modules import check_complete, check_entry, detect_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -52,22 +52,13 @@ def map_gemma4_vision_weights(
     checkpoint has no embedder) and the embedder dict is empty. ``clipped``: the config's
     ``use_clipped_linears`` (without it, clip bounds in the checkpoint are dropped).
     """
-    tower_prefix = _detect_prefix(weights, TOWER_PREFIXES, _TOWER_MARKER, "vision tower")
+    tower_prefix = detect_prefix("gemma4 vision keys", weights, TOWER_PREFIXES, _TOWER_MARKER, "vision tower")
     tower = _map_part(weights, tower_prefix, tower_expected, clipped, "vision tower")
     embedder: dict[str, mx.array] = {}
     if embedder_expected is not None:
-        embedder_prefix = _detect_prefix(weights, EMBEDDER_PREFIXES, _EMBEDDER_MARKER, "vision embedder")
+        embedder_prefix = detect_prefix("gemma4 vision keys", weights, EMBEDDER_PREFIXES, _EMBEDDER_MARKER, "vision embedder")
         embedder = _map_part(weights, embedder_prefix, embedder_expected, clipped, "vision embedder")
     return tower, embedder
-
-
-def _detect_prefix(weights: Mapping[str, mx.array], prefixes: Sequence[str], marker: str, part: str) -> str:
-    for prefix in prefixes:
-        if prefix + marker in weights:
-            return prefix
-    sample = sorted(weights)[:5]
-    looked_for = [prefix + marker for prefix in prefixes]
-    raise ValueError(f"gemma4 vision keys: no {part} weights in the checkpoint (looked for {looked_for}); first keys: {sample}")
 
 
 def _map_part(

@@ -21,6 +21,15 @@ def parameter_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(array.shape) for name, array in tree_flatten(module.parameters())}
 
 
+def detect_prefix(owner: str, weights: Mapping[str, mx.array], prefixes: Sequence[str], marker: str, part: str) -> str:
+    """The first of ``prefixes`` under which ``marker`` (a key every ``part`` has) is in ``weights``."""
+    for prefix in prefixes:
+        if prefix + marker in weights:
+            return prefix
+    looked_for = [prefix + marker for prefix in prefixes]
+    raise ValueError(f"{owner}: no {part} weights in the checkpoint (looked for {looked_for}); first keys: {sorted(weights)[:5]}")
+
+
 def check_entry(owner: str, key: str, name: str, value: mx.array, expected: Mapping[str, Sequence[int]], part: str = "graph") -> None:
     """Checkpoint entry ``key``, mapped to parameter ``name``, must be one of ``expected`` with its
     shape (a packed quantized weight, scales or biases passes: the strict load checks those)."""
