@@ -143,7 +143,7 @@ class AttentionCache:
             raise ValueError("draft: takes only q; the keys and values are the ones this cache stores")
         check_query("draft", "q", q)
         scale = check_scale("draft", scale)
-        if self.keys is None or not self._rows:
+        if self.keys is None or not self.offset:
             raise ValueError("draft: the cache holds no positions to read (prefill the target first)")
         B, Hkv, D, _, dtype = self._geometry
         if q.shape[0] != B or q.shape[1] % Hkv or q.shape[3] != D or q.dtype != dtype:
