@@ -5,12 +5,13 @@
 the per-graph reads (``decode``, ``window``, ``vision_prefill``, ``encoder``, ``canvas``, and
 ``bidirectional`` for encoder-only configs), ``shared_view()`` for KV-shared layers, trims, and
 ``state`` / ``from_state``. ``Read`` names the read a forward makes; ``check_caches`` checks a model's cache list against the
-``CacheSpec`` of each layer.
+``CacheSpec`` of each layer. ``batch_caches`` groups conversations' caches into one ragged batch.
 """
 
 import zoo_blas  # noqa: F401  (first: loads a fast BLAS before anything imports MLX; see zoo_blas.py)
 
 from .base import AttentionCache, MediaSplitError, SharedView
+from .batch import BatchCache, BatchSharedView, advance, batch_caches
 from .full import KVCache, QuantizedKVCache
 from .quantize import quantize_caches
 from .reads import Read
@@ -58,6 +59,10 @@ __all__ = [
     "QuantizedKVCache",
     "RotatingQuantizedKVCache",
     "SharedView",
+    "BatchCache",
+    "BatchSharedView",
+    "advance",
+    "batch_caches",
     "CacheSpec",
     "Read",
     "check_caches",

@@ -14,7 +14,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from cache import KVCache, Read, RotatingKVCache
+from cache import KVCache, Read, RotatingKVCache, advance
 from graphs.gemma4_text_config import SLIDING, Gemma4TextConfig, LayerGeometry
 
 from .layers import CheckedCaches, Experts, GeGLUMLP, RMSNorm, RoPE, Router, SelfAttention, gelu_gated, scaled, softcap
@@ -150,7 +150,7 @@ class Gemma4TextModel(VocabularyHead, CheckedCaches, nn.Module):
             if last_only and i == self.config.first_kv_shared_layer and h.shape[1] > 1:
                 # From here on no layer writes a cache, so only the last position has to go on
                 # (the reference's KV-shared prefill shortcut): E2B skips 20 of its 35 layers.
-                offset += h.shape[1] - 1
+                offset = advance(offset, h.shape[1] - 1)
                 h = h[:, -1:]
                 per_layer_inputs = None if per_layer_inputs is None else per_layer_inputs[:, -1:]
             per_layer_input = None if per_layer_inputs is None else per_layer_inputs[:, :, i, :]

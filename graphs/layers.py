@@ -86,10 +86,13 @@ class RoPE(nn.Module):
         self._inv_freq = mx.array(inv_freq.astype(np.float32))
         self._table_key, self._cos, self._sin = None, None, None
 
-    def __call__(self, x: mx.array, offset: int) -> mx.array:
-        """``x [B, H, L, D]`` at absolute positions ``offset .. offset + L - 1``."""
+    def __call__(self, x: mx.array, offset: int | tuple[int, ...]) -> mx.array:
+        """``x [B, H, L, D]`` at absolute positions ``offset .. offset + L - 1``; a tuple gives each
+        row of a ragged batch its own offset (``cache.batch``)."""
         if cpu_math.active():
             return cpu_math.rotate(x, *self.tables(offset, x.shape[-2]))
+        if isinstance(offset, tuple):
+            offset = mx.array(offset, dtype=mx.int32)
         return mx.fast.rope(
             x, self.head_dim, traditional=False, base=self._base, scale=1.0, offset=offset, freqs=self._periods
         )
@@ -104,11 +107,16 @@ class RoPE(nn.Module):
         """``mx.fast.rope``'s ``freqs`` (the period of each pair) for the proportional kind."""
         return self._periods
 
-    def tables(self, offset: int, length: int) -> tuple[mx.array, mx.array]:
-        """float32 ``cos`` and ``sin`` ``[length, D/2]`` of positions ``offset ..``, kept for the next
-        call with the same positions (the other layers of this kind in the same forward)."""
+    def tables(self, offset: int | tuple[int, ...], length: int) -> tuple[mx.array, mx.array]:
+        """float32 ``cos`` and ``sin`` ``[length, D/2]`` of positions ``offset ..`` (``[B, 1, length,
+        D/2]`` for per-row offsets: the same values each row gets alone), kept for the next call with
+        the same positions (the other layers of this kind in the same forward)."""
         if self._table_key != (offset, length):
-            angles = mx.arange(offset, offset + length, dtype=mx.float32)[:, None] * self._inv_freq[None]
+            if isinstance(offset, tuple):
+                positions = mx.array(offset, dtype=mx.float32)[:, None] + mx.arange(length, dtype=mx.float32)[None]
+                angles = positions[:, None, :, None] * self._inv_freq
+            else:
+                angles = mx.arange(offset, offset + length, dtype=mx.float32)[:, None] * self._inv_freq[None]
             self._table_key, self._cos, self._sin = (offset, length), mx.cos(angles), mx.sin(angles)
         return self._cos, self._sin
 
@@ -188,7 +196,7 @@ class SelfAttention(nn.Module):
                 self.v_norm = v_norm(D)
         self.o_proj = nn.Linear(num_heads * D, H, bias=bias)
 
-    def __call__(self, x: mx.array, cache, offset: int, read: Read) -> mx.array:
+    def __call__(self, x: mx.array, cache, offset: int | tuple[int, ...], read: Read) -> mx.array:
         B, L, _ = x.shape
         q = norm_rope(self._heads(self.q_proj(x), self.num_heads), self.q_norm, self.rope, offset, self.plus_one)
         if not self.owns_kv:

@@ -62,7 +62,7 @@ _compiled = mx.compile(_norm_rope)
 _compiled_cpu = mx.compile(_norm_rotate)
 
 
-def norm_rope(x: mx.array, norm, rope, offset: int, plus_one: bool) -> mx.array:
+def norm_rope(x: mx.array, norm, rope, offset: int | tuple[int, ...], plus_one: bool) -> mx.array:
     """``rope(norm(x), offset)`` for ``x [B, heads, L, D]``; compiled for single positions.
 
     ``norm`` is a Gemma RMSNorm module (``weight`` and ``eps``; Gemma 2/3 scale by ``1 + weight``:

@@ -251,3 +251,29 @@ class Model(MediaMixin):
         if self.tokenizer is None:
             raise no_tokenizer_error(self.path, "generate (which returns text)", "stream() from ids yields the ids (Chunk.token)")
         return "".join(chunk.text for chunk in self.stream(prompt, **options))
+
+    def batch_generate(
+        self,
+        prompts: Sequence[str | Sequence[int] | Prompt],
+        *,
+        max_tokens: int = 256,
+        sampling: SamplingOptions | Sequence[SamplingOptions] | None = None,
+        max_batch: int = 8,
+        kv_quantization: KVQuantization | None = None,
+        prefix_store=None,
+    ) -> list[str]:
+        """The answers to ``prompts``, generated together (``models.generation.batch``): each
+        equals what ``generate`` gives that prompt alone. ``sampling`` is one set of options for
+        all, or one per prompt (each with its own seed)."""
+        from models.generation.batch import BatchGenerator, BatchRequest
+
+        if self.tokenizer is None:
+            raise no_tokenizer_error(self.path, "batch_generate (which returns text)", "BatchGenerator.run returns ids")
+        options = sampling if isinstance(sampling, (list, tuple)) else [sampling or SamplingOptions()] * len(prompts)
+        if len(options) != len(prompts):
+            raise ValueError(f"batch_generate: {len(options)} sampling options for {len(prompts)} prompts")
+        generator = BatchGenerator(self, max_batch=max_batch, kv_quantization=kv_quantization, prefix_store=prefix_store)
+        answers = generator.run(
+            [BatchRequest(prompt, max_tokens=max_tokens, sampling=o) for prompt, o in zip(prompts, options)]
+        )
+        return [self.tokenizer.decode(ids) for ids in answers]

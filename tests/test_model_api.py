@@ -122,7 +122,7 @@ def test_unreachable_hub_id_says_how_to_use_a_folder(monkeypatch):
 
 def test_sampling_options_are_checked():
     with pytest.raises(ValueError, match="top_p=1.5"):
-        SamplingOptions(temp=1.0, top_p=1.5).sampler()
+        SamplingOptions(temp=1.0, top_p=1.5)
 
 
 def test_last_only_skips_the_shared_tail_exactly(checkpoint):

@@ -4,8 +4,8 @@ A prompt with images is prefilled in chunks that never cut through an image
 (``models.generation.prompts.prefill_chunks``); a chunk holding images passes their features to the
 model, which reads it through ``vision_prefill``.
 
-Sampling (temperature, top-p, top-k, min-p) is mlx-lm's ``make_sampler`` and streaming
-detokenization is mlx-lm's detokenizer; what is ours is the loop over our caches, the stop rule and
+Sampling (temperature, top-p, top-k, min-p) uses mlx-lm's filters with a random key per
+conversation (``TokenSampler``), and streaming detokenization is mlx-lm's detokenizer; what is ours is the loop over our caches, the stop rule and
 the bookkeeping that lets a chat keep its cache across turns (every yielded token has been fed to
 the cache; a stop token never is).
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from cache import cache_offset, cpu_math, quantize_caches, trim_cache
 
@@ -133,11 +133,40 @@ class SamplingOptions:
             if not ok:
                 raise GenerationOptionError(name, value, requirement)
 
-    def sampler(self) -> Callable[[mx.array], mx.array]:
-        self.check()
-        if self.seed is not None:
-            mx.random.seed(self.seed)
-        return make_sampler(temp=self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
+
+
+class TokenSampler:
+    """Picks one conversation's next token from its logits: the argmax at ``temp == 0``, otherwise
+    mlx-lm's top-p, min-p and top-k filters (in ``make_sampler``'s order) and a categorical draw.
+
+    mlx-lm's ``make_sampler`` draws from MLX's global random state, which the rows of a batch would
+    share (a row's tokens would depend on its neighbours and on the order rows are sampled in). Here
+    each conversation splits a key of its own, made from ``seed`` (or drawn from the global state
+    when there is none), so a request samples the same tokens alone or in any batch."""
+
+    def __init__(self, options: SamplingOptions):
+        options.check()
+        self.options = options
+        seed = options.seed if options.seed is not None else int(mx.random.randint(0, 2**31 - 1, ()).item())
+        self.key = mx.random.key(seed)
+        o = options
+        self.filters = [
+            f for on, f in (
+                (0 < o.top_p < 1.0, lambda x: apply_top_p(x, o.top_p)),
+                (o.min_p != 0.0, lambda x: apply_min_p(x, o.min_p, 1)),
+                (o.top_k > 0, lambda x: apply_top_k(x, o.top_k)),
+            ) if on
+        ]  # fmt: skip
+
+    def __call__(self, logits: mx.array) -> mx.array:
+        """The next token of logits ``[1, V]`` (shape ``[1]``), not evaluated."""
+        if self.options.temp == 0:  # greedy: the argmax needs no normalising
+            return mx.argmax(logits, axis=-1)
+        logprobs = cpu_math.log_softmax(logits)  # mlx-lm's filters take log-probabilities
+        for keep in self.filters:
+            logprobs = keep(logprobs)
+        self.key, draw = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * (1.0 / self.options.temp), key=draw)
 
 
 @dataclass
@@ -241,16 +270,10 @@ def generate_tokens(
     """
     max_tokens = check_positive_int("max_tokens", max_tokens)
     prefill_step_size = check_positive_int("prefill_step_size", prefill_step_size)
-    options = sampling or SamplingOptions()
-    sampler = options.sampler()
+    sample = TokenSampler(sampling or SamplingOptions())
     stop_ids = set(stop_ids)
     stats = stats if stats is not None else GenerationStats()
     offset = check_context(cache, len(prompt_ids), max_context)
-
-    def sample(logits: mx.array) -> mx.array:
-        if options.temp == 0:  # greedy: the argmax needs no normalising
-            return mx.argmax(logits, axis=-1)
-        return sampler(cpu_math.log_softmax(logits))  # mlx-lm's samplers take log-probabilities
 
     def step(y: mx.array) -> mx.array:
         return sample(forward(y.reshape(1, 1), cache, last_only=True)[:, -1])

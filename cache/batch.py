@@ -1,0 +1,161 @@
+"""Ragged batches: one forward over rows that sit at different positions, on the shared cache.
+
+A ``BatchCache`` is one layer's cache for a batch whose rows are independent conversations: row
+``r`` is an ordinary owning cache (full, sliding, or a quantized twin) holding only that row's
+positions, at that row's own offset. Every read splits the new queries, keys and values by row and
+makes the same read on each row's cache, so each row's mask, window and storage are exactly those of
+the row alone: no padding is ever stored, attended or counted by a window, a sliding row wraps on its
+own schedule, and a row can join or leave between forwards without touching the others (its caches
+are its own; ``batch_caches`` regroups them). The projections, MLPs and head, which read the weights,
+run once for all rows; only the attention, which reads each row's own keys, runs per row.
+
+``offset`` of a batch is a tuple of per-row offsets; RoPE takes it as per-row positions
+(``graphs.layers.RoPE``) and ``advance`` moves it along.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import mlx.core as mx
+
+from .base import AttentionCache, SharedView
+from .spec import CacheSpec, kind_family
+
+
+def advance(offset: int | tuple[int, ...], n: int) -> int | tuple[int, ...]:
+    """``offset`` moved ``n`` positions on: an int for one conversation, a tuple for a batch's rows."""
+    if isinstance(offset, tuple):
+        return tuple(o + n for o in offset)
+    return offset + n
+
+
+def _split(x: mx.array | None, B: int, read: str, what: str) -> list:
+    if x is None:
+        return [None] * B
+    if x.ndim < 1 or x.shape[0] != B:
+        raise ValueError(f"{read}: {what} {tuple(x.shape)} does not have the batch's {B} rows on axis 0")
+    return [x[r : r + 1] for r in range(B)]
+
+
+class _Rows:
+    """The row-by-row reads shared by owning batches and their shared views."""
+
+    rows: list
+
+    def _each(self, read: str, q, k, v, blocks=None, *, scale: float) -> mx.array:
+        B = len(self.rows)
+        qs, ks, vs = _split(q, B, read, "q"), _split(k, B, read, "k"), _split(v, B, read, "v")
+        outs = []
+        if blocks is None:
+            for row, qr, kr, vr in zip(self.rows, qs, ks, vs):
+                outs.append(getattr(row, read)(qr, kr, vr, scale=scale))
+        else:
+            for row, qr, kr, vr, br in zip(self.rows, qs, ks, vs, _split(blocks, B, read, "blocks")):
+                outs.append(getattr(row, read)(qr, kr, vr, br, scale=scale))
+        return outs[0] if B == 1 else mx.concatenate(outs, axis=0)
+
+    @property
+    def offset(self) -> tuple[int, ...]:
+        """Each row's consumed positions."""
+        return tuple(row.offset for row in self.rows)
+
+    @property
+    def sliding_window(self) -> int | None:
+        return self.rows[0].sliding_window
+
+    def decode(self, q, k=None, v=None, *, scale):
+        return self._each("decode", q, k, v, scale=scale)
+
+    def window(self, q, k=None, v=None, *, scale):
+        return self._each("window", q, k, v, scale=scale)
+
+    def vision_prefill(self, q, k=None, v=None, blocks=None, *, scale):
+        return self._each("vision_prefill", q, k, v, blocks, scale=scale)
+
+    def encoder(self, q, k=None, v=None, blocks=None, *, scale):
+        return self._each("encoder", q, k, v, blocks, scale=scale)
+
+    def canvas(self, q, k=None, v=None, *, scale):
+        return self._each("canvas", q, k, v, scale=scale)
+
+    def bidirectional(self, q, k=None, v=None, *, scale):
+        return self._each("bidirectional", q, k, v, scale=scale)
+
+    def draft(self, q, k=None, v=None, *, scale):
+        return self._each("draft", q, k, v, scale=scale)
+
+
+class BatchCache(_Rows):
+    """One layer's owning cache for a ragged batch: ``rows[r]`` is row ``r``'s own cache."""
+
+    def __init__(self, rows: Sequence[AttentionCache]):
+        rows = list(rows)
+        if not rows:
+            raise ValueError("BatchCache: a batch needs at least one row")
+        for r, row in enumerate(rows):
+            if not isinstance(row, AttentionCache):
+                raise TypeError(f"BatchCache: row {r} must be an owning AttentionCache, got {type(row).__name__}")
+        families = {kind_family(row.kind) for row in rows}
+        windows = {row.sliding_window for row in rows}
+        if len(families) > 1 or len(windows) > 1:
+            raise ValueError(
+                f"BatchCache: rows of one layer must share its type and window, got kinds "
+                f"{[row.kind for row in rows]} and windows {[row.sliding_window for row in rows]}"
+            )
+        self.rows = rows
+
+    @property
+    def kind(self) -> str:
+        return self.rows[0].kind
+
+    def spec(self, index_of: Callable[[object], int | None] | None = None) -> CacheSpec:
+        return self.rows[0].spec(index_of)
+
+    def shared_view(self) -> "BatchSharedView":
+        return BatchSharedView(self)
+
+
+class BatchSharedView(_Rows):
+    """A KV-shared layer's cache for a batch: each row's view of that row's donor."""
+
+    def __init__(self, donor: BatchCache):
+        if not isinstance(donor, BatchCache):
+            raise TypeError(f"BatchSharedView: the donor must be a BatchCache, got {type(donor).__name__}")
+        self.donor = donor
+        self.rows = [SharedView(row) for row in donor.rows]
+
+    @property
+    def kind(self) -> str:
+        return f"shared:{self.donor.kind}"
+
+    def spec(self, index_of: Callable[[object], int | None] | None = None) -> CacheSpec:
+        return CacheSpec(self.kind, self.sliding_window, None if index_of is None else index_of(self.donor))
+
+
+def batch_caches(row_caches: Sequence[list]) -> list:
+    """One layer list for a batch from each row's own layer list (as ``make_cache()`` made it, in
+    row order): owning layers become ``BatchCache``, KV-shared layers ``BatchSharedView`` of their
+    donor's batch. The rows' caches are used in place, so a forward on the batch advances each
+    row's own list, which stays usable alone (to continue alone, to snapshot or to save)."""
+    row_caches = [list(c) for c in row_caches]
+    if not row_caches:
+        raise ValueError("batch_caches: no rows")
+    layers = len(row_caches[0])
+    for r, caches in enumerate(row_caches):
+        if len(caches) != layers:
+            raise ValueError(f"batch_caches: row {r} has {len(caches)} layer caches, row 0 has {layers}")
+    batch: list = []
+    for i in range(layers):
+        column = [caches[i] for caches in row_caches]
+        shared = [isinstance(c, SharedView) for c in column]
+        if any(shared):
+            if not all(shared):
+                raise ValueError(f"batch_caches: layer {i} is a shared view in some rows and not in others")
+            donors = [next((j for j in range(i) if caches[j] is c.donor), None) for caches, c in zip(row_caches, column)]
+            if None in donors or len(set(donors)) != 1:
+                raise ValueError(f"batch_caches: layer {i}'s shared views do not all read the same earlier layer of their row")
+            batch.append(batch[donors[0]].shared_view())
+        else:
+            batch.append(BatchCache(column))
+    return batch

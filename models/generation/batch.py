@@ -1,0 +1,268 @@
+"""Many conversations at once: continuous batching on the shared cache.
+
+``BatchGenerator`` keeps a queue of requests and a running batch. A request is admitted by
+prefilling it alone (a batch of one, through the ordinary prefill: chunks, images, the prefix store
+when there is one), then joins the running batch as a new row; every ``step()`` feeds each running
+row its last token in one forward (``cache.batch_caches``: the weights are read once for all rows,
+each row attends only its own positions) and samples each row with its own options and random key
+(``TokenSampler``). A row that stops, reaches ``max_tokens`` or is cancelled leaves at once; the
+others go on undisturbed. Each request keeps its own layer caches, so a request produces exactly
+the tokens it produces alone, whichever requests run beside it.
+
+Like ``generate_tokens``: every token a request reports is fed to its cache before the next one is
+sampled, a stop id ends the request unfed, and after ``max_tokens`` tokens the request ends with
+``"stop"`` when the next token would have been a stop id, ``"length"`` otherwise.
+
+Not thread-safe: one thread calls ``submit``, ``cancel`` and ``step`` (a server hands them over
+through a queue). DiffusionGemma denoises whole blocks, not tokens: its requests are refused here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import mlx.core as mx
+
+from cache import batch_caches, cache_offset
+
+from models.checks import id_list
+from models.generation.generate import (
+    DEFAULT_PREFILL_STEP, KVQuantization, SamplingOptions, TokenSampler, check_positive_int, prefill,
+)  # fmt: skip
+from models.generation.prompts import Prompt
+
+
+@dataclass
+class BatchRequest:
+    """One conversation to continue: ``prompt`` as text, ids or a ready ``Prompt``; ``images``,
+    ``audio`` and ``videos`` go with their placeholders in a text or id prompt (``Model.prompt``)."""
+
+    prompt: str | Sequence[int] | Prompt
+    max_tokens: int = 256
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    stop_ids: frozenset[int] | None = None  # None: the model's stop ids
+    images: Sequence = ()
+    audio: Sequence = ()
+    videos: Sequence = ()
+    max_soft_tokens: int | None = None
+
+
+@dataclass
+class BatchEvent:
+    """What one request did in one step. ``token`` is None on a final event that brings no token;
+    ``finish_reason`` is None while the request runs, then ``"stop"``, ``"length"``,
+    ``"cancelled"`` or ``"error"`` (``error`` then says why, e.g. an image that fails to encode)."""
+
+    request_id: int
+    token: int | None
+    finish_reason: str | None
+    prompt_tokens: int
+    generated_tokens: int
+    reused_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class _Row:
+    request_id: int
+    prompt: Prompt
+    cache: list
+    sample: TokenSampler
+    stop_ids: frozenset
+    max_tokens: int
+    reused: int
+    generated: int = 0
+    token: int | None = None  # sampled, not yet fed
+
+
+class BatchGenerator:
+    """Continuous batching over one model; see the module docstring.
+
+    ``max_batch`` bounds the running rows (waiting requests queue without bound: a server bounds
+    its own queue). ``prefix_store`` (``models.generation.prefix_store.PrefixStore``) serves
+    admissions from stored prefixes. ``kv_quantization`` applies to every request's caches.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        max_batch: int = 8,
+        prefix_store=None,
+        kv_quantization: KVQuantization | None = None,
+        prefill_step_size: int = DEFAULT_PREFILL_STEP,
+    ):
+        if getattr(model, "model_type", None) == "diffusion_gemma":
+            raise ValueError(
+                "BatchGenerator: DiffusionGemma denoises whole blocks, not one token per step; "
+                "run its requests through models.generation.diffusion one at a time"
+            )
+        self.model = model
+        self.max_batch = check_positive_int("max_batch", max_batch)
+        self.prefill_step_size = check_positive_int("prefill_step_size", prefill_step_size)
+        if kv_quantization is not None:
+            kv_quantization.check_model(model.config, str(model.path))
+        self.kv_quantization = kv_quantization
+        self.prefix_store = prefix_store
+        self._ids = itertools.count()
+        self._waiting: deque[tuple[int, BatchRequest]] = deque()
+        self._running: list[_Row] = []
+        self._cancelled: set[int] = set()
+
+    # ------------------------------------------------------------------------------ requests
+    def submit(self, request: BatchRequest) -> int:
+        """Queue ``request`` and return its id; the options, ids and context are checked now
+        (``ValueError`` naming the fault), media are encoded when the request is admitted."""
+        if not isinstance(request, BatchRequest):
+            raise TypeError(f"submit: takes a BatchRequest, got {type(request).__name__}")
+        check_positive_int("max_tokens", request.max_tokens)
+        if not isinstance(request.sampling, SamplingOptions):
+            raise TypeError(f"submit: sampling must be SamplingOptions, got {type(request.sampling).__name__}")
+        request.sampling.check()
+        if request.stop_ids is not None:
+            id_list(list(request.stop_ids), self.model.vocab_size, "BatchRequest.stop_ids")
+        has_media = bool(request.images or request.audio or request.videos)
+        if isinstance(request.prompt, Prompt):
+            if has_media:
+                raise ValueError("submit: a Prompt already carries its media; pass images, audio or videos only with text or ids")
+            id_list(request.prompt.ids, self.model.vocab_size, "BatchRequest.prompt")
+        elif not has_media:
+            ids = self.model.encode(request.prompt) if isinstance(request.prompt, str) else request.prompt
+            request.prompt = Prompt(id_list(ids, self.model.vocab_size, "BatchRequest.prompt"))
+        if isinstance(request.prompt, Prompt):
+            self._check_fits(request.prompt)
+        request_id = next(self._ids)
+        self._waiting.append((request_id, request))
+        return request_id
+
+    def cancel(self, request_id: int) -> bool:
+        """Ask to end a waiting or running request; it leaves at the next ``step`` (with a
+        ``"cancelled"`` event). False when no such request is queued or running."""
+        known = any(rid == request_id for rid, _ in self._waiting) or any(r.request_id == request_id for r in self._running)
+        if known:
+            self._cancelled.add(request_id)
+        return known
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    # ------------------------------------------------------------------------------ the loop
+    def step(self) -> list[BatchEvent]:
+        """Drop cancelled requests, admit waiting ones while rows are free (each prefilled alone
+        and given its first token), then feed every other running row one token in one forward."""
+        events = self._drop_cancelled()
+        admitted = []
+        while self._waiting and len(self._running) < self.max_batch:
+            request_id, request = self._waiting.popleft()
+            try:
+                row, logits = self._admit(request_id, request)
+            except (ValueError, TypeError, OSError) as error:
+                events.append(BatchEvent(request_id, None, "error", 0, 0, error=f"{type(error).__name__}: {error}"))
+                continue
+            self._running.append(row)
+            admitted.append(row)
+            events.append(self._take(row, row.sample(logits[None])))
+        decoding = [row for row in self._running if row not in admitted]
+        if decoding:
+            events.extend(self._decode(decoding))
+        self._running = [row for row in self._running if row.token is not None]
+        return events
+
+    def _drop_cancelled(self) -> list[BatchEvent]:
+        if not self._cancelled:
+            return []
+        events = []
+        for request_id, request in list(self._waiting):
+            if request_id in self._cancelled:
+                self._waiting.remove((request_id, request))
+                events.append(BatchEvent(request_id, None, "cancelled", 0, 0))
+        for row in list(self._running):
+            if row.request_id in self._cancelled:
+                self._running.remove(row)
+                events.append(BatchEvent(row.request_id, None, "cancelled", len(row.prompt), row.generated, row.reused))
+        self._cancelled.clear()
+        return events
+
+    def _admit(self, request_id: int, request: BatchRequest) -> tuple[_Row, mx.array]:
+        model = self.model
+        prompt = request.prompt
+        if not isinstance(prompt, Prompt):
+            prompt = model.prompt(
+                prompt, request.images, request.max_soft_tokens, audio=request.audio, videos=request.videos
+            )
+            self._check_fits(prompt)
+        cache = model.make_cache()
+        if self.prefix_store is not None:
+            reuse = self.prefix_store.prefill(
+                model, prompt, cache, kv_quantization=self.kv_quantization, prefill_step_size=self.prefill_step_size
+            )
+            logits, reused = reuse.logits, reuse.reused
+        else:
+            logits = prefill(model._forward, prompt.ids, cache, self.prefill_step_size, prompt.images, self.kv_quantization)
+            reused = 0
+        stop_ids = frozenset(model.stop_ids if request.stop_ids is None else request.stop_ids)
+        row = _Row(request_id, prompt, cache, TokenSampler(request.sampling), stop_ids, request.max_tokens, reused)
+        return row, logits
+
+    def _decode(self, rows: list[_Row]) -> list[BatchEvent]:
+        ids = mx.array([[row.token] for row in rows])
+        logits = self.model.graph(ids, cache=batch_caches([row.cache for row in rows]), last_only=True)[:, -1]
+        tokens = [row.sample(logits[i : i + 1]) for i, row in enumerate(rows)]
+        mx.eval(tokens)
+        events = []
+        for row, token in zip(rows, tokens):
+            if self.kv_quantization is not None:
+                self.kv_quantization.apply(row.cache)
+            events.append(self._take(row, token))
+        return events
+
+    def _take(self, row: _Row, token: mx.array) -> BatchEvent:
+        """Record ``row``'s newly sampled token and say what it means for the request."""
+        token = int(token.item())
+        done = None
+        if token in row.stop_ids:
+            done = "stop"
+        elif row.generated >= row.max_tokens:
+            done, token = "length", None
+        else:
+            row.generated += 1
+            max_context = self.model.max_context
+            if max_context is not None and cache_offset(row.cache) >= max_context:
+                done = "length"  # the context has no position left to feed this token
+        row.token = None if done else token
+        return BatchEvent(row.request_id, token, done, len(row.prompt), row.generated, row.reused)
+
+    def _check_fits(self, prompt: Prompt) -> None:
+        max_context = self.model.max_context
+        if not len(prompt):
+            raise ValueError("submit: the prompt is empty")
+        if max_context is not None and len(prompt) > max_context:
+            raise ValueError(
+                f"submit: the prompt's {len(prompt)} positions do not fit the context "
+                f"(max_position_embeddings {max_context})"
+            )
+
+    def run(self, requests: Sequence[BatchRequest]) -> list[list[int]]:
+        """Submit ``requests``, step until they all end, and return each one's generated ids (stop
+        ids left out). A request that fails raises ``ValueError`` with its error."""
+        ids = [self.submit(request) for request in requests]
+        tokens: dict[int, list[int]] = {i: [] for i in ids}
+        while self.busy:
+            for event in self.step():
+                if event.finish_reason == "error":
+                    raise ValueError(f"request {ids.index(event.request_id)}: {event.error}")
+                if event.token is not None and event.finish_reason != "stop":
+                    tokens[event.request_id].append(event.token)
+        return [tokens[i] for i in ids]
