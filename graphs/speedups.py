@@ -29,9 +29,11 @@ _streams: list = []
 
 
 def cpu_streams(n: int) -> list:
-    """``n`` CPU streams: the default one and ``n - 1`` more, made once per process."""
+    """``n`` CPU streams: the default one and ``n - 1`` more, made once per process. They are
+    thread-local (MLX streams belong to the thread that made them), so a model loaded on one thread
+    can run on another, as a server's generation thread does."""
     while len(_streams) < n - 1:
-        _streams.append(mx.new_stream(mx.cpu))
+        _streams.append(mx.new_thread_local_stream(mx.cpu))
     return [mx.default_stream(mx.cpu), *_streams[: n - 1]]
 
 
