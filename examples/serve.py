@@ -1,0 +1,84 @@
+"""Serve a zoo model over an OpenAI-compatible HTTP API.
+
+    python -m examples.serve --model NAME_OR_PATH [--host 127.0.0.1] [--port 8080]
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming with "stream": true),
+GET /v1/models, GET /health, GET /metrics. Requests are batched continuously (--max-batch rows
+at once, --max-queue waiting; past that a 429 with Retry-After). Media parts: data: URLs always;
+local files only under --allowed-media-dir; http(s) only with --allow-network-media. Thinking is
+off unless a request asks for it. Sampling defaults follow mlx-lm's server (greedy unless a request
+or --temp says otherwise). Needs the server extra: pip install -e ".[server]". docs/server.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from examples.chat import FLAGS, add_generation_args, check_args, flag_error, kv_quantization_from_args, load_model
+from models.generation.generate import GenerationOptionError, check_positive_int
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a zoo name, a Hub repo id or a local folder")
+    p.add_argument("--model-id", help="the name clients use in 'model' (default: --model as given)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row before 429s (default 64)")
+    p.add_argument("--allowed-media-dir", action="append", default=[], metavar="DIR",
+                   help="local image/video paths in requests may point inside DIR (repeatable; default: none)")  # fmt: skip
+    p.add_argument("--allow-network-media", action="store_true", help="fetch http(s) media URLs (default: refused)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    add_generation_args(p)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    problem = check_args(args)
+    try:
+        check_positive_int("max_batch", args.max_batch)
+        check_positive_int("max_queue", args.max_queue)
+    except GenerationOptionError as err:
+        problem = problem or f"--{err.argument.replace('_', '-')} {err.value}: {err.requirement}"
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        import uvicorn
+
+        from models.serving.app import ServerSettings, make_app
+        from models.serving.engine import Engine
+        from models.serving.media import MediaPolicy
+    except ImportError as err:
+        print(f"error: the server needs its extra ({err.name} is missing): pip install -e \".[server]\"", file=sys.stderr)
+        return 2
+    try:
+        media = MediaPolicy(tuple(args.allowed_media_dir), args.allow_network_media)
+    except OSError as err:
+        print(f"error: --allowed-media-dir {err.filename}: {err.strerror}", file=sys.stderr)
+        return 2
+    model = load_model(args)
+    if model is None:
+        return 1
+    try:
+        engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, kv_quantization=kv_quantization_from_args(args),
+                        prefill_step_size=args.prefill_step_size)  # fmt: skip
+    except ValueError as err:
+        print(f"error: {flag_error(err) if isinstance(err, GenerationOptionError) and err.argument in FLAGS else err}", file=sys.stderr)
+        return 2
+    model.max_soft_tokens = args.max_soft_tokens
+    settings = ServerSettings(args.model_id or args.model, args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p,
+                              args.seed, media)  # fmt: skip
+    app = make_app(model, engine.start(), settings)
+    logging.basicConfig(level=args.log_level.upper())
+    print(f"serving {settings.model_id} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,432 @@
+"""The OpenAI-compatible HTTP API (Starlette), in front of the engine thread (``models.serving.engine``).
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (server-sent events with
+``stream: true``, ``stream_options.include_usage`` for a last usage chunk), ``GET /v1/models``,
+``GET /health``, ``GET /metrics``. Errors are OpenAI-shaped bodies (``{"error": {"message", "type",
+"param", "code"}}``) with a 4xx naming the fault; the server keeps serving after any of them.
+
+A request's way: the body is checked (``schemas``), media parts are read and opened (``media``,
+in a worker thread), the messages go through the model's own chat template (tools and thinking
+included), and the ids go to the engine. The handler waits for the first event before it answers,
+so a request the engine refuses (a prompt past the context, an image the tower rejects) is still a
+400, not a broken stream. A client that disconnects cancels its request; a stop string cancels the
+rest of the answer. Tokenizing and detokenizing happen on the event loop's thread (one at a time:
+Hugging Face tokenizers are not safe to share across threads), the model on the engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from models.generation.chat import plain_transcript
+from models.generation.generate import GenerationOptionError, SamplingOptions
+from models.generation.batch import BatchRequest
+from models.serving.engine import DiffusionRequest, Engine, Event, QueueFull
+from models.serving.media import Media, MediaPolicy, template_messages
+from models.serving.output import Delta, Markers, OutputParser
+from models.serving.schemas import APIError, ChatRequest, CompletionRequest, parse
+
+
+@dataclass
+class ServerSettings:
+    """What the server answers with when a request leaves an option out."""
+
+    model_id: str
+    max_tokens: int = 512
+    temperature: float = 0.0  # mlx-lm's server default (greedy), not the API's 1.0
+    top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None  # for requests that send none
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+
+
+class Prepared:
+    """A request ready for the engine: what to submit, its prompt length, how to parse its output."""
+
+    def __init__(self, request, prompt_tokens: int, parser: OutputParser):
+        self.request, self.prompt_tokens, self.parser = request, prompt_tokens, parser
+
+
+class Server:
+    """The handlers over one model and its engine."""
+
+    def __init__(self, model, engine: Engine, settings: ServerSettings):
+        self.model, self.engine, self.settings = model, engine, settings
+        self.markers = Markers.of(model.tokenizer)
+        self.diffusion = engine.diffusion
+        self.started = int(time.time())
+
+    # ------------------------------------------------------------------------------ prompts
+    def render(self, messages: list[dict], tools: list[dict] | None, thinking: bool) -> list[int]:
+        """The conversation's ids through the model's chat template (a model without one continues
+        the plain transcript, as ``ChatSession`` does)."""
+        tokenizer = self.model.tokenizer
+        if not (getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None)):
+            if tools:
+                raise APIError(400, "tools: this model has no chat template to declare tools in", "tools")
+            try:
+                ids = self.model.encode(plain_transcript(messages, self.settings.model_id))
+            except ValueError as err:
+                raise APIError(400, f"messages: {err}", "messages") from None
+            return ids
+        extra = {"tools": tools} if tools else {}
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=thinking, **extra)
+        except Exception as err:  # jinja2's TemplateError and what the template raises itself
+            raise APIError(400, f"messages: the chat template refused them: {err}", "messages") from None
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    async def prepare_chat(self, req: ChatRequest) -> Prepared:
+        tools = None
+        if req.tools and req.tool_choice != "none":
+            if not self.markers.has_tools:
+                raise APIError(400, "tools: this model's tokenizer has no tool-call syntax", "tools")
+            tools = [tool.model_dump(exclude_none=True) for tool in req.tools]
+        messages, media = await anyio.to_thread.run_sync(template_messages, req.messages, self.settings.media)
+        ids = self.render(messages, tools, req.enable_thinking)
+        parser = OutputParser(self.model.tokenizer, stop=req.stops)
+        return await self._prepared(req, ids, media, parser)
+
+    async def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        if isinstance(req.prompt, str):
+            ids = self.model.encode(req.prompt)
+        else:
+            ids = list(req.prompt)
+            bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.model.vocab_size})", "prompt")
+        parser = OutputParser(self.model.tokenizer, stop=req.stops, channels=False)
+        return await self._prepared(req, ids, Media(), parser)
+
+    async def _prepared(self, req, ids: list[int], media: Media, parser: OutputParser) -> Prepared:
+        images, audio, videos = await anyio.to_thread.run_sync(self._process_media, media)
+        # Each image placeholder becomes boi + its soft tokens + eoi; audio and video are counted
+        # by the generator at admission (a prompt past the context is then refused there).
+        prompt_tokens = len(ids) + sum(getattr(image, "num_soft_tokens", 0) + 1 for image in images)
+        max_tokens = self._max_tokens(req, prompt_tokens)
+        if self.diffusion:
+            for option in ("temperature", "top_p", "top_k", "min_p"):
+                if getattr(req, option) is not None:
+                    raise APIError(400, f"{option}: DiffusionGemma samples by its own schedule; leave {option} out", option)
+            stop_ids = frozenset(self.model.defaults.eos_token_id)
+            return Prepared(DiffusionRequest(ids, max_tokens, images, req.seed, stop_ids), prompt_tokens, parser)
+        if getattr(req, "canvas_events", False):
+            raise APIError(400, "canvas_events: only a DiffusionGemma model has a canvas", "canvas_events")
+        s = self.settings
+        try:
+            sampling = SamplingOptions(
+                temp=s.temperature if req.temperature is None else req.temperature,
+                top_p=s.top_p if req.top_p is None else req.top_p,
+                top_k=s.top_k if req.top_k is None else req.top_k,
+                min_p=s.min_p if req.min_p is None else req.min_p,
+                seed=s.seed if req.seed is None else req.seed,
+            )
+        except GenerationOptionError as err:
+            raise APIError(400, str(err), err.argument) from None
+        request = BatchRequest(ids, max_tokens=max_tokens, sampling=sampling, images=images, audio=audio, videos=videos)
+        return Prepared(request, prompt_tokens, parser)
+
+    def _max_tokens(self, req, prompt_tokens: int) -> int:
+        """The request's token budget, refused when prompt and budget do not fit the context."""
+        context = getattr(self.model, "max_context", None)
+        if self.diffusion:
+            context = getattr(self.model.config.text, "max_position_embeddings", None)
+        asked = req.token_limit
+        if context is not None and prompt_tokens >= context:
+            param = "messages" if isinstance(req, ChatRequest) else "prompt"
+            raise APIError(400, f"{param}: the prompt has {prompt_tokens} tokens; the model's context is {context}", param)
+        if asked is None:
+            return self.settings.max_tokens if context is None else min(self.settings.max_tokens, context - prompt_tokens)
+        if context is not None and prompt_tokens + asked > context:
+            param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+            raise APIError(
+                400, f"{param}: {asked} tokens requested after a prompt of {prompt_tokens} exceed the model's context of {context}", param
+            )
+        return asked
+
+    def _process_media(self, media: Media) -> tuple[list, list, list]:
+        """Images, audio and videos as the towers read them (DiffusionGemma processes its images
+        itself); runs in a worker thread."""
+        model = self.model
+        if media.images and not model.supports_images:
+            raise APIError(400, f"messages: {self.settings.model_id} has no vision tower; it cannot read images", "messages")
+        try:
+            images = model.process_images(media.images) if media.images and not self.diffusion else media.images
+        except ValueError as err:
+            raise APIError(400, f"messages: an image could not be processed: {err}", "messages") from None
+        audio = self._decoded(media.audio, "audio") if media.audio else []
+        videos = self._decoded(media.videos, "video") if media.videos else []
+        return images, audio, videos
+
+    def _decoded(self, items: list, kind: str) -> list:
+        """Audio clips or videos processed from their bytes (the decoders read files, so each goes
+        through a temporary file)."""
+        if self.diffusion:
+            raise APIError(400, f"messages: DiffusionGemma takes no {kind} here", "messages")
+        out = []
+        with tempfile.TemporaryDirectory(prefix="zoo-serve-") as folder:
+            for index, item in enumerate(items):
+                data, where = (item[0], item[2]) if kind == "audio" else item
+                suffix = f".{item[1]}" if kind == "audio" else ".bin"
+                path = Path(folder) / f"{kind}{index}{suffix}"
+                path.write_bytes(data)
+                try:
+                    processed = self.model.process_audio([str(path)]) if kind == "audio" else self.model.process_videos([str(path)])
+                except (ValueError, OSError) as err:
+                    raise APIError(400, f"{where}: {err}".replace(str(path), f"the {kind}"), where) from None
+                out.extend(processed)
+        return out
+
+    # ------------------------------------------------------------------------------ running
+    async def run(self, prepared: Prepared, canvas: bool = False) -> "Run":
+        run = Run(self, prepared)
+        await run.start(canvas)
+        return run
+
+
+class Run:
+    """One request in the engine, seen from the event loop: its events arrive on an asyncio queue."""
+
+    def __init__(self, server: Server, prepared: Prepared):
+        self.server, self.prepared = server, prepared
+        self.parser = prepared.parser
+        self.loop = asyncio.get_running_loop()
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.ticket = None
+        self.tokens = 0
+        self.reused = 0
+        self.prompt_tokens = prepared.prompt_tokens
+        self.finish_reason: str | None = None
+        self.tool_calls = 0
+
+    def _deliver(self, event: Event) -> None:  # called on the engine thread
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    async def start(self, canvas: bool) -> None:
+        try:
+            self.ticket = self.server.engine.submit(self.prepared.request, self._deliver, canvas=canvas)
+        except QueueFull as full:
+            raise APIError(429, str(full), None, "rate_limit_error", {"Retry-After": str(full.retry_after)}) from None
+        self.first = await self.events.get()
+        if self.first.finish_reason == "error":
+            status = 500 if self.first.error.startswith("internal error") else 400
+            raise APIError(status, self.first.error, None, "invalid_request_error" if status == 400 else "server_error")
+
+    def cancel(self) -> None:
+        if self.ticket is not None and not self.ticket.done:
+            self.server.engine.cancel(self.ticket)
+
+    async def deltas(self):
+        """``(Delta, canvas dict or None)`` as events come, then the parser's rest; sets ``finish_reason``."""
+        event = self.first
+        while True:
+            if event.canvas is not None:
+                yield Delta(), event.canvas
+            delta = Delta()
+            for token in event.tokens:
+                if self.parser.stopped:
+                    break
+                self.tokens += 1
+                delta.extend(self.parser.add(token))
+                if self.parser.stopped:
+                    self.cancel()
+            self.prompt_tokens = event.prompt_tokens or self.prompt_tokens
+            self.reused = max(self.reused, event.reused_tokens)
+            if event.finish_reason is not None:
+                if event.finish_reason == "error":
+                    raise APIError(500, event.error, None, "server_error")
+                delta.extend(self.parser.finish())
+                self.tool_calls += len(delta.tool_calls)
+                self.finish_reason = "stop" if self.parser.stopped or event.finish_reason == "cancelled" else event.finish_reason
+                if self.tool_calls and self.finish_reason == "stop":
+                    self.finish_reason = "tool_calls"
+                yield delta, None
+                return
+            self.tool_calls += len(delta.tool_calls)
+            if delta:
+                yield delta, None
+            event = await self.events.get()
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.tokens,
+            "total_tokens": self.prompt_tokens + self.tokens, "prompt_tokens_details": {"cached_tokens": self.reused},
+        }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------- handlers
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def read_json(request: Request):
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the request body is not valid JSON: {err}") from None
+
+
+async def until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def make_app(model, engine: Engine, settings: ServerSettings) -> Starlette:
+    server = Server(model, engine, settings)
+
+    def check_model(name: str) -> None:
+        if name != settings.model_id:
+            raise APIError(404, f"model: {name!r} is not served here; this server serves {settings.model_id!r}", "model",
+                           "not_found_error")  # fmt: skip
+
+    async def chat(request: Request) -> Response:
+        try:
+            req = parse(ChatRequest, await read_json(request))
+            check_model(req.model)
+            if req.canvas_events and not req.stream:
+                raise APIError(400, "canvas_events: the canvas is streamed; it needs stream: true", "canvas_events")
+            run = await server.run(await server.prepare_chat(req), canvas=req.canvas_events)
+        except APIError as err:
+            return error_response(err)
+        return await respond(request, run, req, chat=True)
+
+    async def completions(request: Request) -> Response:
+        try:
+            req = parse(CompletionRequest, await read_json(request))
+            check_model(req.model)
+            run = await server.run(await server.prepare_completion(req))
+        except APIError as err:
+            return error_response(err)
+        return await respond(request, run, req, chat=False)
+
+    async def respond(request: Request, run: Run, req, chat: bool) -> Response:
+        ident = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(stream(request, run, req, chat, ident, created), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+        collected = Delta()
+        watcher = asyncio.ensure_future(until_disconnect(request))
+        try:
+            async for delta, _ in run.deltas():
+                collected.extend(delta)
+                if watcher.done():
+                    run.cancel()
+        except APIError as err:
+            return error_response(err)
+        finally:
+            watcher.cancel()
+            run.cancel()
+        if chat:
+            message = {"role": "assistant", "content": collected.content or (None if collected.tool_calls else "")}
+            if collected.reasoning:
+                message["reasoning_content"] = collected.reasoning
+            if collected.tool_calls:
+                message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in collected.tool_calls]
+            choice = {"index": 0, "message": message, "finish_reason": run.finish_reason, "logprobs": None}
+            kind = "chat.completion"
+        else:
+            choice = {"index": 0, "text": collected.content, "finish_reason": run.finish_reason, "logprobs": None}
+            kind = "text_completion"
+        return JSONResponse({"id": ident, "object": kind, "created": created, "model": settings.model_id,
+                             "choices": [choice], "usage": run.usage()})  # fmt: skip
+
+    async def stream(request: Request, run: Run, req, chat: bool, ident: str, created: int):
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice_delta: dict | None, finish=None, **extra) -> dict:
+            choices = [] if choice_delta is None else [
+                {"index": 0, **({"delta": choice_delta} if chat else choice_delta), "finish_reason": finish, "logprobs": None}
+            ]  # fmt: skip
+            return {"id": ident, "object": kind, "created": created, "model": settings.model_id, "choices": choices, **extra}
+
+        watcher = asyncio.ensure_future(until_disconnect(request))
+        watcher.add_done_callback(lambda _: run.cancel())
+        try:
+            if chat:
+                yield sse(chunk({"role": "assistant", "content": ""}))
+            async for delta, canvas in run.deltas():
+                if canvas is not None:
+                    shown = dict(canvas, text=model.tokenizer.decode(canvas["tokens"]) if model.tokenizer is not None else "")
+                    yield sse(chunk(None, canvas=shown))
+                    continue
+                if chat:
+                    pieces = []
+                    if delta.reasoning:
+                        pieces.append({"reasoning_content": delta.reasoning})
+                    if delta.content:
+                        pieces.append({"content": delta.content})
+                    if delta.tool_calls:
+                        pieces.append({"tool_calls": delta.tool_calls})
+                    for piece in pieces:
+                        yield sse(chunk(piece))
+                elif delta.content:
+                    yield sse(chunk({"text": delta.content}))
+            yield sse(chunk({} if chat else {"text": ""}, run.finish_reason))
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield sse(chunk(None, usage=run.usage()))
+            yield sse("[DONE]")
+        except APIError as err:
+            yield sse(err.body())
+        finally:
+            watcher.cancel()
+            run.cancel()
+
+    async def models_list(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": settings.model_id, "object": "model", "created": server.started, "owned_by": "gemma-mlx-zoo"}]})  # fmt: skip
+
+    async def health(request: Request) -> Response:
+        alive = engine.alive
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    async def metrics(request: Request) -> Response:
+        m = engine.metrics
+        store = engine.prefix_store
+        return JSONResponse({
+            "queue_length": engine.queued, "running_requests": engine.running, "max_batch": engine.max_batch,
+            "max_queue": engine.max_queue, "requests_total": m.requests, "requests_rejected": m.rejected,
+            "requests_finished": m.finished, "prompt_tokens_total": m.prompt_tokens,
+            "generated_tokens_total": m.generated_tokens, "tokens_per_second": round(m.tokens_per_second(), 2),
+            "prefix_store": {"hits": m.prefix_hits, "reused_tokens": m.reused_tokens,
+                             "bytes": store.nbytes if store is not None else 0, "enabled": store is not None},
+        })  # fmt: skip
+
+    routes = [
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models_list, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        engine.stop()
+
+    async def http_error(request: Request, exc: HTTPException) -> Response:
+        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    app.state.server = server
+    return app

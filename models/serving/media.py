@@ -1,0 +1,163 @@
+"""The media parts of a chat message: where their bytes may come from, and opening them.
+
+An ``image_url`` (or ``video_url``) is a ``data:`` URL, a local path (``file://`` or bare) that the
+server was started to allow (``--allowed-media-dir``: every path is resolved, symlinks included,
+and must lie inside one of those folders), or an ``http(s)`` URL when the server allows network
+fetches (``--allow-network-media``; off by default, so a request never makes the server reach
+out). ``input_audio`` carries base64 data. Any other source, a file that is missing, and bytes
+that are not an image are a 400 naming the part (``messages[i].content[j]``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from PIL import Image, UnidentifiedImageError
+
+from models.serving.schemas import APIError
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """Where media may be read from. Nothing but ``data:`` URLs unless the server's flags say so."""
+
+    allowed_dirs: tuple[Path, ...] = ()
+    allow_network: bool = False
+    max_bytes: int = 20 * 2**20
+    network_timeout: float = 10.0
+    _resolved: tuple[Path, ...] = field(init=False, repr=False, default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_resolved", tuple(Path(d).resolve(strict=True) for d in self.allowed_dirs))
+
+    def read(self, url: str, where: str) -> bytes:
+        """The bytes behind ``url`` (a data URL, an allowed path or an allowed http(s) URL)."""
+        scheme = urllib.parse.urlsplit(url).scheme.lower()
+        if scheme == "data":
+            return self._data_url(url, where)
+        if scheme in ("http", "https"):
+            return self._fetch(url, where)
+        if scheme in ("", "file") or (len(scheme) == 1 and url[1:3] in (":\\", ":/")):  # a Windows drive letter
+            return self._file(urllib.parse.unquote(urllib.parse.urlsplit(url).path) if scheme == "file" else url, where)
+        raise APIError(400, f"{where}: unsupported URL scheme {scheme!r} (use a data: URL)", where)
+
+    def _data_url(self, url: str, where: str) -> bytes:
+        header, comma, payload = url.partition(",")
+        if not comma:
+            raise APIError(400, f"{where}: a data URL needs a comma before its payload", where)
+        if header.endswith(";base64"):
+            return decode_base64(payload, where, self.max_bytes)
+        data = urllib.parse.unquote_to_bytes(payload)
+        return self._sized(data, where)
+
+    def _file(self, path: str, where: str) -> bytes:
+        if not self._resolved:
+            raise APIError(400, f"{where}: local files are not allowed (start the server with --allowed-media-dir)", where)
+        try:
+            resolved = Path(path).resolve(strict=True)
+        except (OSError, RuntimeError):
+            raise APIError(400, f"{where}: no such file {path!r}", where) from None
+        if not any(resolved.is_relative_to(folder) for folder in self._resolved):
+            raise APIError(400, f"{where}: {path!r} is outside the allowed media folders", where)
+        if not resolved.is_file():
+            raise APIError(400, f"{where}: {path!r} is not a file", where)
+        if resolved.stat().st_size > self.max_bytes:
+            raise APIError(400, f"{where}: {path!r} is larger than {self.max_bytes} bytes", where)
+        return resolved.read_bytes()
+
+    def _fetch(self, url: str, where: str) -> bytes:
+        if not self.allow_network:
+            raise APIError(400, f"{where}: network URLs are not allowed (start the server with --allow-network-media)", where)
+        try:
+            with urllib.request.urlopen(url, timeout=self.network_timeout) as response:
+                data = response.read(self.max_bytes + 1)
+        except OSError as err:
+            raise APIError(400, f"{where}: could not fetch {url!r}: {err}", where) from None
+        return self._sized(data, where)
+
+    def _sized(self, data: bytes, where: str) -> bytes:
+        if len(data) > self.max_bytes:
+            raise APIError(400, f"{where}: larger than {self.max_bytes} bytes", where)
+        return data
+
+
+def decode_base64(payload: str, where: str, max_bytes: int) -> bytes:
+    if len(payload) * 3 // 4 > max_bytes:
+        raise APIError(400, f"{where}: larger than {max_bytes} bytes", where)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise APIError(400, f"{where}: the base64 payload does not decode", where) from None
+
+
+def open_image(data: bytes, where: str) -> Image.Image:
+    """The decoded image (fully loaded, so a truncated file fails here); a 400 when it is not one."""
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, SyntaxError, ValueError) as err:
+        raise APIError(400, f"{where}: not a readable image ({err})", where) from None
+    return image
+
+
+@dataclass
+class Media:
+    """A message list's media, in order of appearance (as the chat template places their placeholders)."""
+
+    images: list = field(default_factory=list)  # PIL images
+    audio: list = field(default_factory=list)  # decoded clips (bytes-like inputs the audio processor reads)
+    videos: list = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.images or self.audio or self.videos)
+
+
+def template_messages(messages: Sequence, policy: MediaPolicy) -> tuple[list[dict], Media]:
+    """The messages as the chat template reads them (media parts as ``{"type": "image"}`` etc.,
+    tool-call arguments as mappings) and the media they carry, read and opened."""
+    import json
+
+    media = Media()
+    out = []
+    for i, message in enumerate(messages):
+        entry: dict = {"role": message.role}
+        if isinstance(message.content, list):
+            parts = []
+            for j, part in enumerate(message.content):
+                where = f"messages[{i}].content[{j}]"
+                if part.type == "text":
+                    parts.append({"type": "text", "text": part.text})
+                elif part.type == "image_url":
+                    media.images.append(open_image(policy.read(part.image_url.url, where), where))
+                    parts.append({"type": "image"})
+                elif part.type == "input_audio":
+                    media.audio.append((decode_base64(part.input_audio.data, where, policy.max_bytes), part.input_audio.format, where))
+                    parts.append({"type": "audio"})
+                else:
+                    media.videos.append((policy.read(part.video_url.url, where), where))
+                    parts.append({"type": "video"})
+            entry["content"] = parts
+        else:
+            entry["content"] = message.content if message.content is not None else ""
+        if message.tool_calls:
+            calls = []
+            for k, call in enumerate(message.tool_calls):
+                try:
+                    arguments = json.loads(call.function.arguments)
+                except json.JSONDecodeError as err:
+                    where = f"messages[{i}].tool_calls[{k}].function.arguments"
+                    raise APIError(400, f"{where}: not JSON ({err})", where) from None
+                calls.append({"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": arguments}})
+            entry["tool_calls"] = calls
+        for key in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(message, key) is not None:
+                entry[key] = getattr(message, key)
+        out.append(entry)
+    return out, media
