@@ -163,6 +163,10 @@ def load(
         from models.diffusion_model import DiffusionModel
 
         model = DiffusionModel(loaded.graph, loaded.config, wrapper, generation_config, folder)
+    elif loaded.architecture.wrapper == "unified":
+        from models.unified_model import UnifiedModel
+
+        model = UnifiedModel(loaded.graph, loaded.config, wrapper, generation_config, folder, loaded.raw_config["model_type"])
     else:
         from models.model import Model
 

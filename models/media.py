@@ -82,7 +82,7 @@ class MediaMixin:
     @property
     def supports_video(self) -> bool:
         """True for checkpoints with a vision tower (every Gemma 4 size reads video through it)."""
-        return getattr(self.graph, "image_features", None) is not None
+        return getattr(self.graph, "image_features", None) is not None and getattr(self.graph, "has_vision", True)
 
     def _check_video(self) -> None:
         if not self.supports_video:
@@ -93,9 +93,12 @@ class MediaMixin:
     ) -> list[ProcessedVideo]:
         """Paths or uint8 ``[frames, H, W, 3]`` arrays as sampled, resized frame patches."""
         self._check_video()
-        vision = self.config.vision
-        processor = Gemma4VideoProcessor(self.processor_settings.video, vision.patch_size, vision.pooling_kernel_size)
+        processor = self.video_processor()
         return [v if isinstance(v, ProcessedVideo) else processor.process(v, max_soft_tokens, num_frames) for v in videos]
+
+    def video_processor(self) -> Gemma4VideoProcessor:
+        vision = self.config.vision
+        return Gemma4VideoProcessor(self.processor_settings.video, vision.patch_size, vision.pooling_kernel_size)
 
     def encode_videos(
         self, videos: Sequence[VideoInput | ProcessedVideo], max_soft_tokens: int | None = None, num_frames: int | None = None

@@ -100,18 +100,22 @@ class Model(MediaMixin):
     # ------------------------------------------------------------------------------ images
     @property
     def supports_images(self) -> bool:
-        """True for checkpoints with a vision tower."""
-        return hasattr(self.graph, "image_features")
+        """True for checkpoints with a vision tower (or, Gemma 4 unified, a vision embedder)."""
+        return hasattr(self.graph, "image_features") and getattr(self.graph, "has_vision", True)
+
+    def image_processor(self, max_soft_tokens: int | None = None) -> Gemma4ImageProcessor:
+        """The checkpoint's image processor with the budget of the call, of ``self.max_soft_tokens`` or of its settings."""
+        vision = self.config.vision
+        settings = self.processor_settings.image_processor_settings(vision.patch_size, vision.pooling_kernel_size)
+        budget = next((b for b in (max_soft_tokens, self.max_soft_tokens) if b is not None), settings["max_soft_tokens"])
+        return Gemma4ImageProcessor(**{**settings, "max_soft_tokens": budget})
 
     def process_images(
         self, images: Sequence[ImageInput | ProcessedImage], max_soft_tokens: int | None = None
     ) -> list[ProcessedImage]:
         """Paths, PIL images or uint8 arrays as the vision tower reads them (processed ones pass through)."""
         self._check_vision()
-        vision = self.config.vision
-        settings = self.processor_settings.image_processor_settings(vision.patch_size, vision.pooling_kernel_size)
-        budget = next((b for b in (max_soft_tokens, self.max_soft_tokens) if b is not None), settings["max_soft_tokens"])
-        processor = Gemma4ImageProcessor(**{**settings, "max_soft_tokens": budget})
+        processor = self.image_processor(max_soft_tokens)
         return [image if isinstance(image, ProcessedImage) else processor.process(image) for image in images]
 
     def encode_images(

@@ -22,7 +22,7 @@ class Architecture:
     parse_config: Callable[[Mapping[str, Any]], Any]
     build_graph: Callable[[Any], Any]
     load_weights: Callable[[Any, Mapping[str, Any]], None]
-    wrapper: str = "autoregressive"  # or "diffusion"
+    wrapper: str = "autoregressive"  # or "diffusion", or "unified" (Model with Gemma 4 unified's processors)
 
 
 class UnsupportedModelError(ValueError):
@@ -150,6 +150,51 @@ def _without_audio(raw: Mapping[str, Any]):
     return dataclasses.replace(Gemma4MultimodalConfig.from_dict(raw), audio=None)
 
 
+def load_gemma4_unified_weights(graph, weights) -> None:
+    """The text decoder through the Gemma 4 text mapping, the media embedders through their own."""
+    from weights.gemma4_unified_keys import MEDIA_MODULES, map_gemma4_unified_media_weights, split_unified_weights
+    from weights.modules import load_mapped, parameter_shapes
+
+    text, media = split_unified_weights(weights)
+    load_gemma4_text_weights(graph.language_model, text)
+    modules = {name: graph[name] for name in MEDIA_MODULES if name in graph}
+    mapped = map_gemma4_unified_media_weights(media, {name: parameter_shapes(m) for name, m in modules.items()})
+    for name, module in modules.items():
+        load_mapped(module, mapped[name], "gemma4_unified keys")
+
+
+def _gemma4_unified(config: Mapping[str, Any], weight_names: Collection[str]) -> Architecture:
+    """Gemma 4 12B: the text decoder with the vision and audio embedders its config declares.
+
+    A conversion that dropped an embedder's weights while keeping its config part is built
+    without that part, so its input is refused by name (``Model.supports_images`` /
+    ``supports_audio`` are False), never silently ignored."""
+    import dataclasses
+
+    from graphs.gemma4_unified import Gemma4UnifiedModel
+    from graphs.gemma4_unified_config import Gemma4UnifiedConfig
+    from weights.gemma4_unified_keys import has_audio_weights, has_vision_weights
+
+    drop = {}
+    for part, present in (("vision", has_vision_weights(weight_names)), ("audio", has_audio_weights(weight_names))):
+        if config.get(f"{part}_config") and not present:
+            logger.info("gemma4_unified checkpoint with a %s_config but no %s embedder weights: %s input is refused", part, part, part)
+            drop[part] = None
+
+    def parse(raw: Mapping[str, Any]):
+        return dataclasses.replace(Gemma4UnifiedConfig.from_dict(raw), **drop)
+
+    return Architecture(parse, Gemma4UnifiedModel, load_gemma4_unified_weights, wrapper="unified")
+
+
+def _gemma4_unified_text(config: Mapping[str, Any], weight_names: Collection[str]) -> Architecture:
+    """``Gemma4UnifiedForCausalLM``: the 12B's text decoder alone (Gemma 4's text graph)."""
+    from graphs.gemma4_text import Gemma4TextModel
+    from graphs.gemma4_unified_config import unified_text_config
+
+    return Architecture(unified_text_config, Gemma4TextModel, load_gemma4_text_weights)
+
+
 def _gemma3_text(config: Mapping[str, Any], weight_names: Collection[str]) -> Architecture:
     from graphs.gemma3_text import Gemma3TextModel
     from graphs.gemma3_text_config import Gemma3TextConfig
@@ -172,6 +217,8 @@ ARCHITECTURES: dict[str, Callable[[Mapping[str, Any], Collection[str]], Architec
     "gemma3": _gemma3_text,  # the text part of a multimodal Gemma 3 checkpoint
     "diffusion_gemma": _diffusion_gemma,
     "gemma4_assistant": _gemma4_assistant,
+    "gemma4_unified": _gemma4_unified,
+    "gemma4_unified_text": _gemma4_unified_text,
 }
 
 

@@ -50,7 +50,7 @@ LOAD_GROUP_SIZES = (32, 64, 128)
 _PACKED_SUFFIXES = (".scales", ".biases")
 _PARAM_KEYS = ("group_size", "bits", "mode")
 _QUANTIZED_TYPES = (nn.QuantizedLinear, nn.QuantizedEmbedding, QuantizedSwitchLinear)
-_VISION_PARTS = ("vision_tower", "embed_vision")
+_VISION_PARTS = ("vision_tower", "embed_vision", "vision_embedder")  # vision_embedder: Gemma 4 unified
 
 
 class QuantizationError(ValueError):

@@ -49,6 +49,8 @@ AUDIO_DEFAULTS: dict[str, Any] = dict(
     min_frequency=0.0, max_frequency=8000.0, preemphasis=0.0, preemphasis_htk_flavor=True, fft_overdrive=False,
     dither=0.0, input_scale_factor=1.0, mel_floor=1e-3, per_bin_mean=None, per_bin_stddev=None,
 )  # fmt: skip
+# Gemma 4 unified (12B): transformers 5.24 ``Gemma4UnifiedAudioFeatureExtractor`` (raw waveform frames, no mel).
+UNIFIED_AUDIO_DEFAULTS: dict[str, Any] = dict(feature_size=640, sampling_rate=16_000, padding_value=0.0, audio_samples_per_token=640)
 PROCESSOR_DEFAULTS: dict[str, Any] = dict(image_seq_length=280, audio_seq_length=750, audio_ms_per_token=40)
 
 _PARTS = {"image_processor": "image", "video_processor": "video", "feature_extractor": "audio"}
@@ -71,8 +73,11 @@ class ProcessorSettings:
     source: dict = field(default_factory=lambda: dict.fromkeys(("image", "video", "audio", "processor"), "default"))
 
     @classmethod
-    def from_folder(cls, folder: str | Path | None) -> "ProcessorSettings":
-        """Read the folder's settings files (reference defaults for whatever they do not say)."""
+    def from_folder(cls, folder: str | Path | None, audio_defaults: Mapping[str, Any] = AUDIO_DEFAULTS) -> "ProcessorSettings":
+        """Read the folder's settings files (reference defaults for whatever they do not say).
+
+        ``audio_defaults`` names the feature extractor's settings and their defaults: Gemma 4's mel
+        extractor (``AUDIO_DEFAULTS``) or the unified model's waveform frames (``UNIFIED_AUDIO_DEFAULTS``)."""
         found: dict[str, dict] = {"image": {}, "video": {}, "audio": {}, "processor": {}}
         source = dict.fromkeys(found, "default")
         if folder is not None:
@@ -93,11 +98,11 @@ class ProcessorSettings:
         settings = cls(
             image={**IMAGE_DEFAULTS, **_known(found["image"], IMAGE_DEFAULTS)},
             video={**VIDEO_DEFAULTS, **_known(found["video"], VIDEO_DEFAULTS)},
-            audio={**AUDIO_DEFAULTS, **_known(found["audio"], AUDIO_DEFAULTS)},
+            audio={**audio_defaults, **_known(found["audio"], audio_defaults)},
             processor={**PROCESSOR_DEFAULTS, **_known(found["processor"], PROCESSOR_DEFAULTS)},
             source=source,
         )
-        settings._check(found, folder)
+        settings._check(found, folder, audio_defaults)
         return settings
 
     def image_processor_settings(self, patch_size: int, pooling_kernel_size: int) -> dict:
@@ -128,8 +133,8 @@ class ProcessorSettings:
             )
         return dict(max_soft_tokens=budget, patch_size=patch_size, pooling_kernel_size=pooling_kernel_size)
 
-    def _check(self, found: dict[str, dict], folder) -> None:
-        for part, defaults in (("image", IMAGE_DEFAULTS), ("video", VIDEO_DEFAULTS), ("audio", AUDIO_DEFAULTS)):
+    def _check(self, found: dict[str, dict], folder, audio_defaults: Mapping[str, Any]) -> None:
+        for part, defaults in (("image", IMAGE_DEFAULTS), ("video", VIDEO_DEFAULTS), ("audio", audio_defaults)):
             unknown = sorted(set(found[part]) - set(defaults) - _BOOKKEEPING)
             if unknown:
                 raise ProcessorSettingsError(
@@ -155,7 +160,7 @@ class ProcessorSettings:
                 )
             if values["resample"] not in (3, "bicubic", "BICUBIC"):
                 raise ProcessorSettingsError(f"{self.source[part]} in {folder}: {part} resample must be bicubic (3), got {values['resample']!r}")
-        if self.audio["feature_size"] != 128:
+        if audio_defaults is AUDIO_DEFAULTS and self.audio["feature_size"] != 128:
             raise ProcessorSettingsError(
                 f"{self.source['audio']} in {folder}: feature_size {self.audio['feature_size']} mel bins; the Gemma 4 audio tower reads 128"
             )

@@ -1,0 +1,161 @@
+"""The configuration of Gemma 4 12B "unified" (transformers 5.24 ``Gemma4UnifiedConfig``), parsed from ``config.json``.
+
+A ``gemma4_unified`` checkpoint is a Gemma 4 text decoder without per-layer inputs or MoE
+(``gemma4_unified_text``), an encoder-free vision embedder (``gemma4_unified_vision``: merged
+48x48 pixel patches straight into a linear projection) and an audio embedder over raw waveform
+frames (``gemma4_unified_audio``: 640 samples, 40 ms at 16 kHz, per soft token). Either media
+part may be absent or ``null``: the reference then has no such part, and neither does the graph. The text section is parsed by
+``Gemma4TextConfig`` with ``configuration_gemma4_unified.py``'s own defaults (window 1024,
+``use_bidirectional_attention="vision"``, 256K positions); fields the unified text config does not
+have (per-layer inputs, MoE) are refused when set, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from graphs.config import POSITIVE_FLOAT, POSITIVE_INT, TOKEN_ID, ConfigError, read_fields, section
+from graphs.gemma4_audio_config import MediaTokenIds, media_token_ids
+from graphs.gemma4_multimodal_config import ImageTokenIds
+from graphs.gemma4_text_config import Gemma4TextConfig
+
+OWNER = "Gemma4UnifiedConfig"
+MODEL_TYPE = "gemma4_unified"
+TEXT_MODEL_TYPE = "gemma4_unified_text"
+
+# Where Gemma4UnifiedTextConfig's defaults differ from Gemma4TextConfig's.
+_TEXT_DEFAULTS: dict[str, Any] = dict(sliding_window=1024, use_bidirectional_attention="vision", max_position_embeddings=262_144)
+# Gemma4TextConfig fields that Gemma4UnifiedTextConfig removes: no per-layer inputs, no MoE.
+_ABSENT_TEXT_FIELDS = ("hidden_size_per_layer_input", "enable_moe_block", "num_experts", "top_k_experts", "moe_intermediate_size")
+
+_VISION_DEFAULTS: dict[str, Any] = dict(
+    patch_size=16, pooling_kernel_size=3, mm_embed_dim=3840, mm_posemb_size=1120, rms_norm_eps=1e-6, output_proj_dims=3840
+)
+_VISION_KINDS = dict(
+    patch_size=POSITIVE_INT, pooling_kernel_size=POSITIVE_INT, mm_embed_dim=POSITIVE_INT, mm_posemb_size=POSITIVE_INT,
+    rms_norm_eps=POSITIVE_FLOAT, output_proj_dims=POSITIVE_INT,
+)  # fmt: skip
+_AUDIO_DEFAULTS: dict[str, Any] = dict(audio_embed_dim=640, rms_norm_eps=1e-6)
+_AUDIO_KINDS = dict(audio_embed_dim=POSITIVE_INT, rms_norm_eps=POSITIVE_FLOAT)
+# transformers 5.24's Gemma4UnifiedConfig defaults (the released tokenizer's ids).
+_IMAGE_IDS = {"image_token_id": 258_880, "boi_token_id": 255_999, "eoi_token_id": 258_882}
+
+
+@dataclass(frozen=True)
+class Gemma4UnifiedVisionConfig:
+    """The vision embedder: ``patch_size * pooling_kernel_size`` pixel patches (48) of 3 channels
+    projected to ``mm_embed_dim``, a factorised ``[mm_posemb_size, 2, mm_embed_dim]`` position table."""
+
+    patch_size: int = 16
+    pooling_kernel_size: int = 3
+    mm_embed_dim: int = 3840
+    mm_posemb_size: int = 1120
+    rms_norm_eps: float = 1e-6
+    output_proj_dims: int = 3840
+
+    @property
+    def model_patch_size(self) -> int:
+        """The side of one merged patch in pixels (one soft token)."""
+        return self.patch_size * self.pooling_kernel_size
+
+    @property
+    def patch_dim(self) -> int:
+        return self.model_patch_size**2 * 3
+
+    @classmethod
+    def from_section(cls, raw: Mapping[str, Any]) -> "Gemma4UnifiedVisionConfig":
+        if raw.get("model_type", "gemma4_unified_vision") != "gemma4_unified_vision":
+            raise ConfigError(f"{OWNER}: vision_config model_type must be 'gemma4_unified_vision', got {raw.get('model_type')!r}")
+        config = cls(**read_fields(raw, _VISION_DEFAULTS, _VISION_KINDS, OWNER + ".vision_config"))
+        if config.output_proj_dims != config.mm_embed_dim:
+            # The reference's embedder norms and projects a vector of output_proj_dims, which is the
+            # patch embedding of mm_embed_dim: any other value cannot run there either.
+            raise ConfigError(
+                f"{OWNER}: vision_config.output_proj_dims ({config.output_proj_dims}) must equal "
+                f"vision_config.mm_embed_dim ({config.mm_embed_dim})"
+            )
+        return config
+
+
+@dataclass(frozen=True)
+class Gemma4UnifiedAudioConfig:
+    """The audio embedder: raw frames of ``audio_embed_dim`` samples (also the samples per soft token)."""
+
+    audio_embed_dim: int = 640
+    rms_norm_eps: float = 1e-6
+
+    @property
+    def audio_samples_per_token(self) -> int:
+        return self.audio_embed_dim
+
+    @classmethod
+    def from_section(cls, raw: Mapping[str, Any]) -> "Gemma4UnifiedAudioConfig":
+        if raw.get("model_type", "gemma4_unified_audio") != "gemma4_unified_audio":
+            raise ConfigError(f"{OWNER}: audio_config model_type must be 'gemma4_unified_audio', got {raw.get('model_type')!r}")
+        return cls(**read_fields(raw, _AUDIO_DEFAULTS, _AUDIO_KINDS, OWNER + ".audio_config"))
+
+
+def unified_text_config(raw: Mapping[str, Any]) -> Gemma4TextConfig:
+    """The text decoder of a ``gemma4_unified`` config (its ``text_config``) or of a bare
+    ``gemma4_unified_text`` one, with the unified defaults."""
+    text = section(raw, OWNER, own_type=TEXT_MODEL_TYPE, containers=(MODEL_TYPE,), key="text_config", inner_type=TEXT_MODEL_TYPE)
+    for name in _ABSENT_TEXT_FIELDS:
+        if text.get(name):
+            raise ConfigError(
+                f"{OWNER}: text_config.{name}={text[name]!r}, but the unified text decoder has no per-layer "
+                "inputs and no MoE (transformers' Gemma4UnifiedTextConfig has no such field)"
+            )
+    fields = {k: v for k, v in text.items() if k not in _ABSENT_TEXT_FIELDS and k != "vocab_size_per_layer_input"}
+    return Gemma4TextConfig.from_dict({**_TEXT_DEFAULTS, **fields, "hidden_size_per_layer_input": 0, "model_type": "gemma4_text"})
+
+
+@dataclass(frozen=True)
+class Gemma4UnifiedConfig:
+    """Text decoder, the media embedders present (None when the config has no such part) and the
+    ids that place images, video frames and audio clips in a prompt."""
+
+    text: Gemma4TextConfig
+    vision: Gemma4UnifiedVisionConfig | None
+    audio: Gemma4UnifiedAudioConfig | None
+    image_tokens: ImageTokenIds
+    media_tokens: MediaTokenIds
+    pad_token_id: int  # media positions are embedded as this token before their features overwrite them
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> "Gemma4UnifiedConfig":
+        if not isinstance(raw, Mapping) or raw.get("model_type") != MODEL_TYPE:
+            found = raw.get("model_type") if isinstance(raw, Mapping) else type(raw).__name__
+            raise ConfigError(f"{OWNER}: expected model_type {MODEL_TYPE!r}, got {found!r}")
+        text = unified_text_config(raw)
+        vision = _part(raw, "vision_config", Gemma4UnifiedVisionConfig)
+        audio = _part(raw, "audio_config", Gemma4UnifiedAudioConfig)
+        ids = read_fields(raw, _IMAGE_IDS, dict.fromkeys(_IMAGE_IDS, TOKEN_ID), OWNER)
+        image_tokens = ImageTokenIds(image=ids["image_token_id"], boi=ids["boi_token_id"], eoi=ids["eoi_token_id"])
+        media_tokens = media_token_ids(raw, OWNER)
+        pad = (raw.get("text_config") or {}).get("pad_token_id", 0)
+        if not TOKEN_ID.accepts(pad) or pad >= text.vocab_size:
+            raise ConfigError(f"{OWNER}: text_config.pad_token_id must be an id below {text.vocab_size}, got {pad!r}")
+        placeholders = {"image_token_id": image_tokens.image, "video_token_id": media_tokens.video, "audio_token_id": media_tokens.audio}
+        if len(set(placeholders.values())) != 3 or {image_tokens.boi, image_tokens.eoi} & set(placeholders.values()):
+            raise ConfigError(f"{OWNER}: the media placeholders {placeholders} must differ from each other and from boi/eoi")
+        return cls(text, vision, audio, image_tokens, media_tokens, pad)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.text.max_position_embeddings
+
+    @property
+    def vision_bidirectional(self) -> bool:
+        """Image and video-frame spans attend both ways on every layer (``use_bidirectional_attention == "vision"``)."""
+        return self.text.use_bidirectional_attention == "vision"
+
+
+def _part(raw: Mapping[str, Any], key: str, kind):
+    """The part's config, or None when the key is absent or null (the reference has no such part then)."""
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{OWNER}: {key} must be a JSON object or null, got {type(value).__name__}")
+    return kind.from_section(value)
