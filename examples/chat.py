@@ -5,7 +5,9 @@
 
 In the chat, Ctrl-C stops the current answer (not the session; pressed before the answer starts,
 it drops the message); /image PATH attaches an image to the next message (models with a vision
-tower; repeat it for several); /reset clears the history; /quit (or Ctrl-D) leaves. A message the
+tower; repeat it for several); /reset clears the history; /save PATH and /load PATH save and resume
+the conversation (--prompt-cache FILE resumes one at start and saves it on exit; a file that cannot
+be used is refused by name and the chat goes on as it was); /quit (or Ctrl-D) leaves. A message the
 model refuses (past its context) is not kept, and the chat goes on. Flags follow mlx-lm's spelling
 where they overlap; bad values and an unwritable --transcript are refused before the model loads.
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import models
 from models.generation.chat import ChatSession
+from models.generation.prompt_cache import load_session, save_session
 from models.generation.generate import (
     DEFAULT_PREFILL_STEP,
     GenerationOptionError,
@@ -47,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "of the model's own; a model without one (a base model) continues your text")  # fmt: skip
     add_generation_args(p)
     p.add_argument("--transcript", help="write the conversation (JSON messages) to this file after every answer")
+    p.add_argument("--prompt-cache", metavar="FILE",
+                   help="resume the conversation saved in FILE (its messages and KV caches; examples.cache_prompt "
+                        "writes one from a document) and save it there on exit; a missing FILE starts a new one")  # fmt: skip
     p.add_argument("--draft-model", metavar="NAME_OR_PATH",
                    help="speculative decoding: a Gemma 4 assistant (gemma4_assistant) for a Gemma 4 --model, or any "
                         "zoo model with the same tokenizer; the output is the same, --verbose reports the acceptance")
@@ -144,7 +150,21 @@ def check_args(args: argparse.Namespace) -> str | None:
     except GenerationOptionError as err:
         return flag_error(err)
     transcript = getattr(args, "transcript", None)
-    return check_writable(transcript, "--transcript") if transcript else None
+    problem = check_writable(transcript, "--transcript") if transcript else None
+    return problem or check_prompt_cache_flag(args)
+
+
+def check_prompt_cache_flag(args: argparse.Namespace) -> str | None:
+    """Why ``--prompt-cache`` cannot work with the other flags, or None (the file itself is
+    checked against the model once it is loaded)."""
+    path = getattr(args, "prompt_cache", None)
+    if not path:
+        return None
+    if not Path(path).exists():
+        return check_writable(path, "--prompt-cache")
+    if args.system_prompt is not None:
+        return f"--system-prompt: the conversation in --prompt-cache {path} already has its messages"
+    return None
 
 
 def check_num_draft_tokens(value) -> int:
@@ -338,13 +358,42 @@ def main(argv=None) -> int:
     if not session.uses_chat_template:  # said once: a base model's answers read as continuations
         print(f"[{args.model} has no chat template: it continues your text rather than chatting "
               "(--chat-template PATH gives it one)]", file=sys.stderr, flush=True)  # fmt: skip
+    if args.prompt_cache and Path(args.prompt_cache).exists() and not conversation_file(session, "load", args.prompt_cache):
+        return 2
+    code = converse(model, session, args)
+    if args.prompt_cache and not conversation_file(session, "save", args.prompt_cache):
+        return code or 1
+    return code
+
+
+def conversation_file(session: ChatSession, action: str, path: str) -> bool:
+    """``--prompt-cache``, ``/save PATH`` and ``/load PATH``: save or resume the conversation (its
+    messages and KV caches). False, after printing why, when that fails; a file that cannot be
+    loaded (damaged, of another model or format) leaves the running chat as it was."""
+    if not path:
+        print(f"[usage: /{action} PATH]", flush=True)
+        return False
+    try:
+        (save_session if action == "save" else load_session)(session, path)
+    except (OSError, ValueError) as err:
+        print(f"[error: {type(err).__name__}: {err}]", file=sys.stderr, flush=True)
+        return False
+    done = "saved to" if action == "save" else "resumed from"
+    print(f"[conversation {done} {path}: {len(session.messages)} messages, {len(session.fed)} cached tokens]",
+          file=sys.stderr, flush=True)  # fmt: skip
+    return True
+
+
+def converse(model, session: ChatSession, args: argparse.Namespace) -> int:
+    """Answer ``--prompt``, or chat until /quit or end of input."""
     if args.prompt is not None:
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         return 0 if answer(session, prompt, args.verbose, args.transcript) else 2
     image_help = " /image PATH attaches an image;" if model.supports_images else ""
     image_help += " /video PATH a video;" if model.supports_video else ""
     image_help += " /audio PATH an audio clip;" if model.supports_audio else ""
-    print(f"Chatting with {args.model}. Ctrl-C stops an answer;{image_help} /reset clears the history; /quit leaves.")
+    print(f"Chatting with {args.model}. Ctrl-C stops an answer;{image_help} /reset clears the history; "
+          "/save PATH and /load PATH save and resume the conversation; /quit leaves.")  # fmt: skip
     pending: list = []  # images for the next message
     pending_media: dict[str, list] = {"audio": [], "video": []}  # clips and videos for the next message
     while True:
@@ -367,6 +416,9 @@ def main(argv=None) -> int:
                 attach_image(model, os.path.expanduser(rest.strip().strip("'\"")), args.max_soft_tokens, pending)
             else:
                 print(f"[{args.model} has no vision tower; it cannot read images]", flush=True)
+            continue
+        if command in ("/save", "/load"):
+            conversation_file(session, command[1:], os.path.expanduser(rest.strip().strip("'\"")))
             continue
         if command in ("/audio", "/video"):
             attach_media(model, command[1:], os.path.expanduser(rest.strip().strip("'\"")), pending_media[command[1:]])

@@ -29,7 +29,7 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
-from cache import SharedView, cache_from_state, owning_caches, trim_cache
+from cache import owning_caches, trim_cache
 
 from models.generation.generate import (
     DEFAULT_PREFILL_STEP,
@@ -39,6 +39,7 @@ from models.generation.generate import (
     check_positive_int,
 )
 from models.checks import no_tokenizer_error
+from models.generation.prompt_cache import caches_from_layer_states, layer_states
 from models.generation.prompts import ImageSpan, Prompt, expand_image_placeholders
 from models.model import Model
 
@@ -52,19 +53,25 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def image_safe_prefix(keep: int, held: Sequence[ImageSpan], wanted: Sequence[ImageSpan]) -> int:
+def same_features(old: ImageSpan, new: ImageSpan) -> bool:
+    """One image: the session keeps one features array per image, so identity decides."""
+    return new.features is old.features
+
+
+def image_safe_prefix(keep: int, held: Sequence, wanted: Sequence, same=same_features) -> int:
     """The longest prefix, at most ``keep`` positions, whose images are the same in the cache
     (``held``) and in the new rendering (``wanted``), and that does not end inside an image.
 
     Positions before ``keep`` already agree token by token; an image there must also be the same
-    image (its features are compared by identity: the session keeps one array per image).
+    image: at the same positions and ``same(old, new)`` (by default the same features array; the
+    prefix store compares content hashes).
     """
     for index, old in enumerate(held):
         if old.start >= keep:
             break
         new = wanted[index] if index < len(wanted) else None
-        same = new is not None and (new.start, new.end) == (old.start, old.end) and new.features is old.features
-        if not same or keep < old.end:
+        kept = new is not None and (new.start, new.end) == (old.start, old.end) and same(old, new)
+        if not kept or keep < old.end:
             return old.start
     return keep
 
@@ -268,15 +275,12 @@ class ChatSession:
         """What a turn may change, to put back if the turn is dropped. Cheap: MLX arrays are values,
         so each cache's ``state`` shares its buffers (while it is held, the turn's first write to a
         buffer copies it instead of updating it in place)."""
-        index = {id(c): i for i, c in enumerate(self.cache)}
-        layers = [("view", index[id(c.donor)]) if isinstance(c, SharedView) else ("own", c.state) for c in self.cache]
         media = (list(self.audio_features), list(self.video_features))
-        return list(self.messages), list(self.image_features), list(self.fed), self.fed_images, layers, media
+        return list(self.messages), list(self.image_features), list(self.fed), self.fed_images, layer_states(self.cache), media
 
     def _restore(self, snapshot: tuple) -> None:
         messages, features, fed, fed_images, layers, (self.audio_features, self.video_features) = snapshot
-        owners = {i: cache_from_state(value) for i, (kind, value) in enumerate(layers) if kind == "own"}
-        self.cache = [owners[i] if kind == "own" else owners[value].shared_view() for i, (kind, value) in enumerate(layers)]
+        self.cache = caches_from_layer_states(layers)
         self.messages, self.image_features, self.fed, self.fed_images = messages, features, fed, fed_images
 
     def reset(self) -> None:
