@@ -1,0 +1,24 @@
+// Python bindings of the packed kernels (module kernels._packed), in nanobind's "mlx" domain so
+// that MLX's own array type is shared with mlx.core.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "packed.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+NB_MODULE(_packed, m) {
+  m.doc() = "Packed 4/8-bit weight products on MLX's CPU device (gemma-mlx-zoo kernels)";
+  m.def("packed_matmul", &zoo::packed_matmul, "x"_a, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
+        "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
+        "x [..., K] @ dequantize(w, scales, biases).T in float32, w [N, K * bits / 32] uint32 (MLX's affine layout)");
+  m.def("packed_dequantize", &zoo::packed_dequantize, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
+        "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(), "dequantize(w, scales, biases) as a float32 [N, K] array");
+  m.def("available_isas", &zoo::available_isas, "instruction sets this CPU and build run, widest first");
+  m.def("threads", &zoo::threads, "threads the products split their rows over");
+  m.def("set_threads", &zoo::set_threads, "n"_a, "split products over at most n threads (1 to the CPUs available)");
+  m.def("built_for_mlx", &zoo::built_for_mlx, "the MLX version whose headers this extension was compiled with");
+}

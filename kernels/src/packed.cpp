@@ -1,0 +1,400 @@
+// The primitives' CPU evaluation, the instruction-set choice and the row-splitting thread pool.
+#include "packed.h"
+
+#include <sched.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/version.h"
+
+namespace zoo {
+
+// ------------------------------------------------------------------------------------ instruction sets
+Isa best_isa() {
+#if defined(__x86_64__) && defined(ZOO_X86_KERNELS)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return Isa::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
+#endif
+  return Isa::portable;
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::avx512: return "avx512";
+    case Isa::avx2: return "avx2";
+    default: return "portable";
+  }
+}
+
+int isa_lanes(Isa isa) {
+  switch (isa) {
+    case Isa::avx512: return 16;
+    case Isa::avx2: return 8;
+    default: return 1;
+  }
+}
+
+std::vector<std::string> available_isas() {
+  std::vector<std::string> out;
+  for (int i = static_cast<int>(best_isa()); i >= 0; --i) out.push_back(isa_name(static_cast<Isa>(i)));
+  return out;
+}
+
+static Isa parse_isa(const std::string& name) {
+  if (name.empty()) return best_isa();
+  for (int i = static_cast<int>(best_isa()); i >= 0; --i)
+    if (name == isa_name(static_cast<Isa>(i))) return static_cast<Isa>(i);
+  std::ostringstream msg;
+  msg << "isa='" << name << "' is not available here; this CPU and build run:";
+  for (auto& n : available_isas()) msg << " " << n;
+  throw std::invalid_argument(msg.str());
+}
+
+static RowsFn rows_fn(Isa isa) {
+#if defined(__x86_64__) && defined(ZOO_X86_KERNELS)
+  if (isa == Isa::avx512) return avx512::rows;
+  if (isa == Isa::avx2) return avx2::rows;
+#endif
+  return portable::rows;
+}
+
+static DequantFn dequant_fn(Isa isa) {
+#if defined(__x86_64__) && defined(ZOO_X86_KERNELS)
+  if (isa == Isa::avx512) return avx512::dequantize;
+  if (isa == Isa::avx2) return avx2::dequantize;
+#endif
+  return portable::dequantize;
+}
+
+// ------------------------------------------------------------------------------------ thread pool
+// A job is a number of chunks (row ranges) that the calling thread and the workers take one at a
+// time from a shared counter. The caller never waits for a worker that has not started: on a
+// shared machine a worker may not get a core for a whole time slice, and then the caller simply
+// takes every chunk itself. Workers spin briefly after waking (a decode step calls the kernel
+// every few tens of microseconds; waking a sleeping thread costs about as much as a small
+// product), then sleep on the generation counter. A call that finds the pool in use (another MLX
+// stream in the middle of a product) runs its chunks alone.
+struct Job {
+  void (*fn)(void*, int);
+  void* ctx;
+  int chunks;
+  std::atomic<int> next{0};
+  std::atomic<int> done{0};
+
+  void take() {
+    int c;
+    while ((c = next.fetch_add(1, std::memory_order_relaxed)) < chunks) {
+      fn(ctx, c);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* pool = new Pool(cpus());  // never destroyed: workers may still sleep at exit
+    return *pool;
+  }
+
+  int size() const { return active_.load(std::memory_order_relaxed); }
+  void set_size(int n) { active_.store(n < 1 ? 1 : (n > total_ ? total_ : n), std::memory_order_relaxed); }
+
+  void run(int chunks, void (*fn)(void*, int), void* ctx) {
+    Job job;
+    job.fn = fn;
+    job.ctx = ctx;
+    job.chunks = chunks;
+    std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+    if (chunks <= 1 || size() == 1 || !lock.owns_lock()) {
+      job.take();
+      return;
+    }
+    job_.store(&job, std::memory_order_seq_cst);
+    generation_.fetch_add(1, std::memory_order_seq_cst);
+    generation_.notify_all();
+    job.take();
+    while (job.done.load(std::memory_order_acquire) < chunks) pause();  // chunks a worker is still on
+    // Close the job: a worker either registered before this (and is waited for) or sees no job.
+    job_.store(nullptr, std::memory_order_seq_cst);
+    while (inside_.load(std::memory_order_seq_cst) != 0) pause();
+  }
+
+ private:
+  explicit Pool(int n) : total_(n), active_(n) {
+    for (int id = 1; id < n; ++id) std::thread([this, id] { work(id); }).detach();
+  }
+
+  static int cpus() {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set) > 0 ? CPU_COUNT(&set) : 1;
+    unsigned n = std::thread::hardware_concurrency();
+    return n > 0 ? static_cast<int>(n) : 1;
+  }
+
+  static void pause() {
+#if defined(__x86_64__)
+    __builtin_ia32_pause();
+#endif
+  }
+
+  void work(int id) {
+    uint64_t seen = generation_.load(std::memory_order_acquire);
+    for (;;) {
+      const auto start = std::chrono::steady_clock::now();
+      uint64_t now;
+      int spins = 0;
+      while ((now = generation_.load(std::memory_order_acquire)) == seen) {
+        if (++spins % 64 == 0 && std::chrono::steady_clock::now() - start > kSpin) {
+          generation_.wait(seen, std::memory_order_acquire);
+          spins = 0;
+        } else {
+          pause();
+        }
+      }
+      seen = now;
+      if (id >= size()) continue;
+      inside_.fetch_add(1, std::memory_order_seq_cst);
+      if (Job* job = job_.load(std::memory_order_seq_cst)) job->take();
+      inside_.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+
+  static constexpr std::chrono::microseconds kSpin{200};
+  const int total_;
+  std::atomic<int> active_;
+  std::mutex mutex_;
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<Job*> job_{nullptr};
+  std::atomic<int> inside_{0};
+};
+
+int threads() { return Pool::get().size(); }
+void set_threads(int n) { Pool::get().set_size(n); }
+
+// Rows are split into chunks of whole 16-row blocks, about kChunksPerThread per thread; products
+// under kSplitBytes of weights stay on the calling thread.
+constexpr int64_t kSplitBytes = 1 << 16;
+constexpr int64_t kChunksPerThread = 4;
+
+static int chunks_for(const PackedWeights& p, int64_t rows_of_x) {
+  const int64_t work = p.N * p.row_bytes() * (rows_of_x < 1 ? 1 : rows_of_x);
+  const int64_t threads = Pool::get().size();
+  if (work < kSplitBytes || threads == 1) return 1;
+  const int64_t blocks = (p.N + 15) / 16;
+  const int64_t n = threads * kChunksPerThread;
+  return static_cast<int>(blocks < n ? blocks : n);
+}
+
+static void chunk_bounds(int64_t N, int chunks, int chunk, int64_t& n0, int64_t& n1) {
+  const int64_t blocks = (N + 15) / 16;
+  n0 = (blocks * chunk / chunks) * 16;
+  n1 = (blocks * (chunk + 1) / chunks) * 16;
+  if (n1 > N) n1 = N;
+}
+
+struct MatmulJob {
+  Prepared a;
+  PackedWeights p;
+  RowsFn fn;
+  float* y;
+  int chunks;
+};
+
+static void matmul_chunk(void* ctx, int chunk) {
+  auto* job = static_cast<MatmulJob*>(ctx);
+  int64_t n0, n1;
+  chunk_bounds(job->p.N, job->chunks, chunk, n0, n1);
+  if (n0 < n1) job->fn(job->a, job->p, n0, n1, job->y);
+}
+
+struct DequantJob {
+  PackedWeights p;
+  DequantFn fn;
+  float* out;
+  int chunks;
+};
+
+static void dequant_chunk(void* ctx, int chunk) {
+  auto* job = static_cast<DequantJob*>(ctx);
+  int64_t n0, n1;
+  chunk_bounds(job->p.N, job->chunks, chunk, n0, n1);
+  if (n0 < n1) job->fn(job->p, n0, n1, job->out);
+}
+
+// The activations in the kernel's order (see Prepared) and their group sums.
+static void prepare_x(const float* x, int64_t M, int64_t K, int group, int bits, int lanes, std::vector<float>& xp,
+                      std::vector<float>& sums) {
+  const int64_t G = K / group;
+  sums.assign(M * G, 0.0f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.0f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) s += x[m * K + k];
+      sums[m * G + g] = s;
+    }
+  if (bits != 4 || lanes == 1) return;
+  xp.resize(M * K);
+  const int64_t block = 2 * lanes;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K; b += block)
+      for (int64_t i = 0; i < lanes; ++i) {
+        xp[m * K + b + i] = x[m * K + b + 2 * i];
+        xp[m * K + b + lanes + i] = x[m * K + b + 2 * i + 1];
+      }
+}
+
+static void run_matmul(const float* x, int64_t M, const PackedWeights& p, Isa isa, float* y) {
+  std::vector<float> xp, sums;
+  prepare_x(x, M, p.K, p.group, p.bits, isa_lanes(isa), xp, sums);
+  MatmulJob job{{xp.empty() ? x : xp.data(), sums.data(), M}, p, rows_fn(isa), y, chunks_for(p, M)};
+  Pool::get().run(job.chunks, matmul_chunk, &job);
+}
+
+// ------------------------------------------------------------------------------------ the ops
+static void check_packed(const char* op, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                         int group_size, int bits, int64_t& N, int64_t& K) {
+  std::ostringstream msg;
+  msg << op << ": ";
+  if (bits != 4 && bits != 8) {
+    msg << "bits=" << bits << " is not supported (4 or 8)";
+    throw std::invalid_argument(msg.str());
+  }
+  if (group_size != 32 && group_size != 64 && group_size != 128) {
+    msg << "group_size=" << group_size << " is not supported (32, 64 or 128)";
+    throw std::invalid_argument(msg.str());
+  }
+  if (w.dtype() != mx::uint32 || w.ndim() != 2) {
+    msg << "the packed weight must be a 2-D uint32 array, got " << w.ndim() << "-D " << w.dtype();
+    throw std::invalid_argument(msg.str());
+  }
+  N = w.shape(0);
+  K = static_cast<int64_t>(w.shape(1)) * 32 / bits;
+  const mx::Shape expected{static_cast<int>(N), static_cast<int>(K / group_size)};
+  if (K % group_size != 0 || scales.shape() != expected || biases.shape() != expected) {
+    msg << "a weight of " << N << " rows of " << K << " " << bits << "-bit values in groups of " << group_size
+        << " needs scales and biases of shape [" << N << ", " << K / group_size << "], got [";
+    for (auto d : scales.shape()) msg << d << ",";
+    msg << "] and [";
+    for (auto d : biases.shape()) msg << d << ",";
+    msg << "]";
+    throw std::invalid_argument(msg.str());
+  }
+}
+
+static mx::Stream cpu_stream(const char* op, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument(std::string(op) + " runs on MLX's CPU device only; this stream is on another device");
+  }
+  return stream;
+}
+
+mx::array packed_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                        int group_size, int bits, const std::string& isa, mx::StreamOrDevice s) {
+  int64_t N, K;
+  check_packed("packed_matmul", w, scales, biases, group_size, bits, N, K);
+  if (x.ndim() < 1 || x.shape(-1) != K) {
+    std::ostringstream msg;
+    msg << "packed_matmul: x's last axis must be the weight's input size " << K << ", got shape [";
+    for (auto d : x.shape()) msg << d << ",";
+    msg << "]";
+    throw std::invalid_argument(msg.str());
+  }
+  auto stream = cpu_stream("packed_matmul", s);
+  auto out_shape = x.shape();
+  out_shape.back() = static_cast<int>(N);
+  auto x2 = mx::contiguous(mx::astype(mx::reshape(x, {-1, static_cast<int>(K)}, stream), mx::float32, stream), false, stream);
+  const int M = x2.shape(0);
+  auto f32 = [&](const mx::array& a) { return mx::contiguous(mx::astype(a, mx::float32, stream), false, stream); };
+  auto y = mx::array({M, static_cast<int>(N)}, mx::float32,
+                     std::make_shared<PackedMatmul>(stream, group_size, bits, parse_isa(isa)),
+                     {x2, mx::contiguous(w, false, stream), f32(scales), f32(biases)});
+  return mx::reshape(y, out_shape, stream);
+}
+
+mx::array packed_dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                            int bits, const std::string& isa, mx::StreamOrDevice s) {
+  int64_t N, K;
+  check_packed("packed_dequantize", w, scales, biases, group_size, bits, N, K);
+  auto stream = cpu_stream("packed_dequantize", s);
+  auto f32 = [&](const mx::array& a) { return mx::contiguous(mx::astype(a, mx::float32, stream), false, stream); };
+  return mx::array({static_cast<int>(N), static_cast<int>(K)}, mx::float32,
+                   std::make_shared<PackedDequantize>(stream, group_size, bits, parse_isa(isa)),
+                   {mx::contiguous(w, false, stream), f32(scales), f32(biases)});
+}
+
+static PackedWeights weights_of(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                                int bits) {
+  return PackedWeights{reinterpret_cast<const uint8_t*>(w.data<uint32_t>()), scales.data<float>(), biases.data<float>(),
+                       w.shape(0), static_cast<int64_t>(w.shape(1)) * 32 / bits, group_size, bits};
+}
+
+void PackedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  const auto& x = inputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  encoder.dispatch([x = x.data<float>(), M = static_cast<int64_t>(x.shape(0)),
+                    p = weights_of(inputs[1], inputs[2], inputs[3], group_size_, bits_), isa = isa_,
+                    y = out.data<float>()]() {
+    if (M > 0 && p.N > 0) run_matmul(x, M, p, isa, y);
+  });
+}
+
+void PackedDequantize::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  encoder.dispatch([p = weights_of(inputs[0], inputs[1], inputs[2], group_size_, bits_), isa = isa_,
+                    o = out.data<float>()]() {
+    if (p.N == 0) return;
+    DequantJob job{p, dequant_fn(isa), o, chunks_for(p, 1)};
+    Pool::get().run(job.chunks, dequant_chunk, &job);
+  });
+}
+
+void PackedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("PackedMatmul runs on MLX's CPU device only");
+}
+
+void PackedDequantize::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("PackedDequantize runs on MLX's CPU device only");
+}
+
+std::vector<mx::Shape> PackedMatmul::output_shapes(const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), inputs[1].shape(0)}};
+}
+
+std::vector<mx::Shape> PackedDequantize::output_shapes(const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), inputs[0].shape(1) * 32 / bits_}};
+}
+
+bool PackedMatmul::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const PackedMatmul&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && isa_ == o.isa_;
+}
+
+bool PackedDequantize::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const PackedDequantize&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && isa_ == o.isa_;
+}
+
+std::string built_for_mlx() {
+  std::ostringstream v;
+  v << MLX_VERSION_MAJOR << "." << MLX_VERSION_MINOR << "." << MLX_VERSION_PATCH;
+  return v.str();
+}
+
+}  // namespace zoo

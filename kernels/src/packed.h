@@ -1,0 +1,66 @@
+// MLX primitives over packed 4/8-bit weights on the CPU: PackedMatmul (x @ dequantize(w).T for
+// few rows, read at memory bandwidth) and PackedDequantize (the float32 weight, for products with
+// many rows that then go through the BLAS). Both take MLX's affine layout as nn.QuantizedLinear
+// and nn.QuantizedEmbedding store it, with float32 activations, scales and biases.
+#pragma once
+
+#include <string>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "qmm.h"
+
+namespace zoo {
+
+namespace mx = mlx::core;
+
+// x [..., K] @ dequantize(w, scales, biases).T -> [..., N] in float32; w [N, K * bits / 32] uint32.
+// isa: "" for the best this CPU runs, else "avx512", "avx2" or "portable" (tests compare them).
+mx::array packed_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                        int group_size, int bits, const std::string& isa = "", mx::StreamOrDevice s = {});
+
+// dequantize(w, scales, biases) -> [N, K] float32, vectorised and split over the kernel's threads.
+mx::array packed_dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
+                            int bits, const std::string& isa = "", mx::StreamOrDevice s = {});
+
+// The instruction sets this CPU and build run, widest first ("avx512", "avx2", "portable").
+std::vector<std::string> available_isas();
+// Threads the products split rows over (the CPUs this process may run on, unless set).
+int threads();
+void set_threads(int n);
+// The MLX version the extension was compiled against (its headers).
+std::string built_for_mlx();
+
+class PackedMatmul : public mx::UnaryPrimitive {
+ public:
+  PackedMatmul(mx::Stream stream, int group_size, int bits, Isa isa)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), isa_(isa) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  const char* name() const override { return "PackedMatmul"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int group_size_;
+  int bits_;
+  Isa isa_;
+};
+
+class PackedDequantize : public mx::UnaryPrimitive {
+ public:
+  PackedDequantize(mx::Stream stream, int group_size, int bits, Isa isa)
+      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), isa_(isa) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  const char* name() const override { return "PackedDequantize"; }
+  bool is_equivalent(const mx::Primitive& other) const override;
+
+ private:
+  int group_size_;
+  int bits_;
+  Isa isa_;
+};
+
+}  // namespace zoo

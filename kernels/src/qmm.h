@@ -1,0 +1,69 @@
+// Packed 4- and 8-bit products on the CPU over MLX's affine layout (no MLX types in here).
+//
+// MLX stores a quantized [N, K] weight as uint32 words along K, 32 / bits values a word, lowest
+// bits first (so on a little-endian CPU: 8-bit rows are plain uint8 rows, 4-bit rows hold value
+// 2i in the low nibble of byte i and 2i + 1 in its high nibble), and per group of `group` inputs
+// one scale s and one bias b: w = s * q + b. A product row is then
+//
+//   y[m, n] = sum_g s[n, g] * (sum_{k in g} x[m, k] q[n, k]) + sum_g b[n, g] * (sum_{k in g} x[m, k])
+//
+// so the inner loop only converts q to float and multiplies it with float32 activations: the
+// result is the float32 product with the dequantized weight, up to summation order (no rounding
+// of the activations, unlike kernels that quantize them to int8 for integer dot products).
+//
+// One source (qmm_impl.h) is compiled three times, for AVX-512, AVX2 + FMA and plain C++, each in
+// its own translation unit with its own flags and its own names; `isa()` picks one at run time.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace zoo {
+
+struct PackedWeights {
+  const uint8_t* w;      // row n starts at w + n * row_bytes()
+  const float* scales;   // [N, G]
+  const float* biases;   // [N, G]
+  int64_t N;
+  int64_t K;
+  int group;
+  int bits;
+  int64_t row_bytes() const { return K * bits / 8; }
+  int64_t groups() const { return K / group; }
+};
+
+// Activations prepared once per call (prepare_x): each row in the kernel's order (4-bit: every
+// block of 2L values stored as its L even-indexed values, then its L odd-indexed ones, L the
+// vector width, so one vector of nibbles meets its values with two plain loads) and their group sums.
+struct Prepared {
+  const float* x;     // [M, K]
+  const float* sums;  // [M, G]
+  int64_t M;
+};
+
+enum class Isa { portable = 0, avx2 = 1, avx512 = 2 };
+
+// The widest instruction set this CPU runs (and the build has), and its name.
+Isa best_isa();
+const char* isa_name(Isa isa);
+int isa_lanes(Isa isa);
+
+// Rows [n0, n1) of y [M, N] from prepared activations; x_prepared holds M * K floats.
+using RowsFn = void (*)(const Prepared&, const PackedWeights&, int64_t n0, int64_t n1, float* y);
+// Rows [n0, n1) of the dequantized weight, out [N, K].
+using DequantFn = void (*)(const PackedWeights&, int64_t n0, int64_t n1, float* out);
+
+namespace portable {
+void rows(const Prepared&, const PackedWeights&, int64_t, int64_t, float*);
+void dequantize(const PackedWeights&, int64_t, int64_t, float*);
+}  // namespace portable
+namespace avx2 {
+void rows(const Prepared&, const PackedWeights&, int64_t, int64_t, float*);
+void dequantize(const PackedWeights&, int64_t, int64_t, float*);
+}  // namespace avx2
+namespace avx512 {
+void rows(const Prepared&, const PackedWeights&, int64_t, int64_t, float*);
+void dequantize(const PackedWeights&, int64_t, int64_t, float*);
+}  // namespace avx512
+
+}  // namespace zoo

@@ -1,0 +1,141 @@
+// The packed kernels, written once over a vector type V (see qmm.h for the arithmetic).
+//
+// Included by qmm_avx512.cpp, qmm_avx2.cpp and qmm_portable.cpp, each inside its own namespace
+// and compiled with its own instruction-set flags. Everything here has internal linkage and uses
+// no standard-library templates, so no function compiled for a wider instruction set can be
+// picked by the linker for a narrower one.
+//
+// V provides: L (floats a vector), F (the vector), zero, load, store, set1, fma(a, b, c) = a*b + c,
+// sum (horizontal), u8(p) (L bytes -> L floats), u4(p, lo, hi) (L bytes -> their low and high
+// nibbles as floats), u4n(p, a, b) (L bytes -> 2L nibbles in storage order: a the first L), and
+// NR4, the weight rows a tile of 4 activation rows takes (2 where 16 accumulators leave registers
+// to spare: FMA latency times the FMA ports needs about 8 independent sums).
+
+namespace {
+
+using F = V::F;
+
+// One tile: NR weight rows (from row pointer w, scale/bias rows sc/bi) times MT activation rows.
+template <int BITS, int MT, int NR>
+inline void tile(const float* xp, const float* xs, int64_t K, int64_t G, int group,
+                 const uint8_t* w, int64_t row_bytes, const float* sc, const float* bi,
+                 float* y, int64_t ldy) {
+  F tot[NR][MT];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) tot[r][m] = V::zero();
+  for (int64_t g = 0; g < G; ++g) {
+    F acc[NR][MT];
+    for (int r = 0; r < NR; ++r)
+      for (int m = 0; m < MT; ++m) acc[r][m] = V::zero();
+    const int64_t k0 = g * group;
+    if (BITS == 8) {
+      for (int64_t k = k0; k < k0 + group; k += V::L) {
+        F q[NR];
+        for (int r = 0; r < NR; ++r) q[r] = V::u8(w + r * row_bytes + k);
+        for (int m = 0; m < MT; ++m) {
+          const F xv = V::load(xp + m * K + k);
+          for (int r = 0; r < NR; ++r) acc[r][m] = V::fma(q[r], xv, acc[r][m]);
+        }
+      }
+    } else {
+      for (int64_t k = k0; k < k0 + group; k += 2 * V::L) {
+        F lo[NR], hi[NR];
+        for (int r = 0; r < NR; ++r) V::u4(w + r * row_bytes + k / 2, lo[r], hi[r]);
+        for (int m = 0; m < MT; ++m) {
+          const F xe = V::load(xp + m * K + k);
+          const F xo = V::load(xp + m * K + k + V::L);
+          for (int r = 0; r < NR; ++r) {
+            acc[r][m] = V::fma(lo[r], xe, acc[r][m]);
+            acc[r][m] = V::fma(hi[r], xo, acc[r][m]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const F s = V::set1(sc[r * G + g]);
+      for (int m = 0; m < MT; ++m) tot[r][m] = V::fma(acc[r][m], s, tot[r][m]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MT; ++m) {
+      float b = 0.0f;
+      for (int64_t g = 0; g < G; ++g) b += bi[r * G + g] * xs[m * G + g];
+      y[m * ldy + r] = V::sum(tot[r][m]) + b;
+    }
+}
+
+// Rows [n0, n1) for MT activation rows starting at row m0: NR rows at a time, then one by one.
+template <int BITS, int MT, int NR>
+inline void rows_mt(const Prepared& a, const PackedWeights& p, int64_t m0, int64_t n0, int64_t n1, float* y) {
+  const int64_t K = p.K, G = p.groups(), rb = p.row_bytes();
+  const float* xp = a.x + m0 * K;
+  const float* xs = a.sums + m0 * G;
+  float* ym = y + m0 * p.N;
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR)
+    tile<BITS, MT, NR>(xp, xs, K, G, p.group, p.w + n * rb, rb, p.scales + n * G, p.biases + n * G, ym + n, p.N);
+  for (; n < n1; ++n)
+    tile<BITS, MT, 1>(xp, xs, K, G, p.group, p.w + n * rb, rb, p.scales + n * G, p.biases + n * G, ym + n, p.N);
+}
+
+// Weight rows outermost (read from memory once), activation rows in tiles of up to 4 inside,
+// over blocks of 16 weight rows (they stay in L1 between the tiles).
+template <int BITS>
+inline void rows_bits(const Prepared& a, const PackedWeights& p, int64_t n0, int64_t n1, float* y) {
+  if (a.M == 1) {
+    rows_mt<BITS, 1, 4>(a, p, 0, n0, n1, y);
+    return;
+  }
+  const int64_t block = 16;
+  for (int64_t b0 = n0; b0 < n1; b0 += block) {
+    const int64_t b1 = b0 + block < n1 ? b0 + block : n1;
+    int64_t m = 0;
+    for (; m + 4 <= a.M; m += 4) rows_mt<BITS, 4, V::NR4>(a, p, m, b0, b1, y);
+    switch (a.M - m) {
+      case 3: rows_mt<BITS, 3, 1>(a, p, m, b0, b1, y); break;
+      case 2: rows_mt<BITS, 2, 2>(a, p, m, b0, b1, y); break;
+      case 1: rows_mt<BITS, 1, 4>(a, p, m, b0, b1, y); break;
+      default: break;
+    }
+  }
+}
+
+template <int BITS>
+inline void dequant_bits(const PackedWeights& p, int64_t n0, int64_t n1, float* out) {
+  const int64_t K = p.K, G = p.groups(), rb = p.row_bytes();
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* w = p.w + n * rb;
+    float* o = out + n * K;
+    for (int64_t g = 0; g < G; ++g) {
+      const F s = V::set1(p.scales[n * G + g]);
+      const F b = V::set1(p.biases[n * G + g]);
+      const int64_t k0 = g * p.group;
+      if (BITS == 8) {
+        for (int64_t k = k0; k < k0 + p.group; k += V::L) V::store(o + k, V::fma(V::u8(w + k), s, b));
+      } else {
+        for (int64_t k = k0; k < k0 + p.group; k += 2 * V::L) {
+          F lo, hi;
+          V::u4n(w + k / 2, lo, hi);
+          V::store(o + k, V::fma(lo, s, b));
+          V::store(o + k + V::L, V::fma(hi, s, b));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void rows(const Prepared& a, const PackedWeights& p, int64_t n0, int64_t n1, float* y) {
+  if (p.bits == 8)
+    rows_bits<8>(a, p, n0, n1, y);
+  else
+    rows_bits<4>(a, p, n0, n1, y);
+}
+
+void dequantize(const PackedWeights& p, int64_t n0, int64_t n1, float* out) {
+  if (p.bits == 8)
+    dequant_bits<8>(p, n0, n1, out);
+  else
+    dequant_bits<4>(p, n0, n1, out);
+}
