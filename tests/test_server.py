@@ -1,0 +1,318 @@
+"""The OpenAI-compatible server driven by the official ``openai`` client, on tiny Gemma 4s with the
+real tokenizer and chat template (``tests.server_tiny``).
+
+Scripted checkpoints answer fixed texts, think fixed thoughts and call a tool in Gemma 4's syntax,
+so reasoning and tool calls are checked through the real template and parser, streamed and not.
+A random checkpoint checks seeds and that what the server streams equals ``Model.generate``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+pytest.importorskip("starlette")
+
+import models  # noqa: E402
+from models.generation.generate import SamplingOptions  # noqa: E402
+from tests.server_tiny import (  # noqa: E402
+    CHANNEL_CLOSE, CHANNEL_OPEN, NEWLINE, QUOTE, TOOL_CLOSE, TOOL_OPEN, TOOL_RESPONSE, TOOL_RESPONSE_CLOSE, TURN_CLOSE,
+    distinct, gemma4_tokenizer_dir, running_server, save_random_chat, save_scripted, text_ids,
+)  # fmt: skip
+
+ANSWER = "Paris is lovely. The end."
+ANSWER_TOKENS = 7  # Paris, is, lovely, '.', The, end, and the second '.' as a byte token
+THOUGHT = "The user asks about Paris"
+TOOL_THOUGHT = "I need the weather"
+AFTER_TOOL = "It is sunny in Paris."
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "the city"}}, "required": ["city"]},
+    },
+}
+USER = [{"role": "user", "content": "Tell me about Paris"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gemma4_tokenizer_dir())
+
+
+def thought_chain(tokenizer, text: str, taken: set) -> list[int]:
+    """After the thinking prompt's last token (a newline): the thought channel, then its close."""
+    return [NEWLINE, CHANNEL_OPEN, *distinct(tokenizer, text_ids(tokenizer, "thought\n" + text), taken), CHANNEL_CLOSE]
+
+
+@pytest.fixture(scope="module")
+def answer_model(tmp_path_factory, tokenizer):
+    taken: set = set()
+    answer = [CHANNEL_CLOSE, *distinct(tokenizer, text_ids(tokenizer, ANSWER), taken), TURN_CLOSE]
+    folder = save_scripted(tmp_path_factory.mktemp("scripted-answer"), [answer, thought_chain(tokenizer, THOUGHT, taken)])
+    return models.load(str(folder))
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory, tokenizer):
+    taken: set = set()
+    head = distinct(tokenizer, text_ids(tokenizer, "call:get_weather{city:"), taken)
+    city = distinct(tokenizer, text_ids(tokenizer, "Paris"), taken)
+    closing_quote = [236820, 236909, 236775, 111038]  # '<', '|', '"', '|>': <|"|> spelled without the special token
+    taken.update(closing_quote)
+    call = [CHANNEL_CLOSE, TOOL_OPEN, *head, QUOTE, *city, *closing_quote, *distinct(tokenizer, text_ids(tokenizer, "}"), taken),
+            TOOL_CLOSE, TOOL_RESPONSE]  # fmt: skip
+    after = [TOOL_RESPONSE_CLOSE, *distinct(tokenizer, text_ids(tokenizer, AFTER_TOOL), taken), TURN_CLOSE]
+    chains = [call, after, thought_chain(tokenizer, TOOL_THOUGHT, taken)]
+    return models.load(str(save_scripted(tmp_path_factory.mktemp("scripted-tools"), chains)))
+
+
+@pytest.fixture(scope="module")
+def answer_client(answer_model):
+    with running_server(answer_model) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def tool_client(tool_model):
+    with running_server(tool_model) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def collect(stream) -> dict:
+    """A streamed chat answer put together: content, reasoning, tool calls, finish reason, usage."""
+    out = {"content": "", "reasoning": "", "tool_calls": [], "finish": None, "usage": None, "chunks": 0}
+    for chunk in stream:
+        out["chunks"] += 1
+        if chunk.usage is not None:
+            out["usage"] = chunk.usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            out["content"] += delta.content or ""
+            out["reasoning"] += (delta.model_extra or {}).get("reasoning_content") or ""
+            out["tool_calls"] += delta.tool_calls or []
+            out["finish"] = choice.finish_reason or out["finish"]
+    return out
+
+
+# ------------------------------------------------------------------------------ plain answers
+def test_models_and_health(answer_client):
+    assert [m.id for m in answer_client.models.list().data] == ["tiny"]
+    import httpx2
+
+    assert httpx2.get(str(answer_client.base_url).removesuffix("/v1/") + "/health").json() == {"status": "ok"}
+
+
+def test_chat_answers_without_thinking_by_default(answer_client):
+    reply = answer_client.chat.completions.create(model="tiny", messages=USER, max_tokens=40)
+    message = reply.choices[0].message
+    assert message.content == ANSWER
+    assert (message.model_extra or {}).get("reasoning_content") is None
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == ANSWER_TOKENS
+
+
+def test_thinking_goes_to_reasoning_content_never_to_content(answer_client):
+    for stream in (False, True):
+        kwargs = dict(model="tiny", messages=USER, max_tokens=60, extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+        if stream:
+            got = collect(answer_client.chat.completions.create(stream=True, **kwargs))
+            content, reasoning = got["content"], got["reasoning"]
+        else:
+            message = answer_client.chat.completions.create(**kwargs).choices[0].message
+            content, reasoning = message.content, message.model_extra["reasoning_content"]
+        assert reasoning == THOUGHT
+        assert content == ANSWER
+    effort = answer_client.chat.completions.create(model="tiny", messages=USER, max_tokens=60, reasoning_effort="low")
+    assert effort.choices[0].message.model_extra["reasoning_content"] == THOUGHT
+
+
+def test_streaming_with_usage(answer_client):
+    got = collect(answer_client.chat.completions.create(model="tiny", messages=USER, max_tokens=40, stream=True,
+                                                        stream_options={"include_usage": True}))  # fmt: skip
+    assert got["content"] == ANSWER and got["finish"] == "stop"
+    assert got["usage"].completion_tokens == ANSWER_TOKENS and got["usage"].prompt_tokens > 5
+    assert got["chunks"] >= ANSWER_TOKENS  # streamed token by token, not in one piece
+
+
+def test_stop_strings_and_max_tokens(answer_client):
+    reply = answer_client.chat.completions.create(model="tiny", messages=USER, max_tokens=40, stop=["The"])
+    assert reply.choices[0].message.content == "Paris is lovely. " and reply.choices[0].finish_reason == "stop"
+    got = collect(answer_client.chat.completions.create(model="tiny", messages=USER, max_tokens=40, stop="lov", stream=True))
+    assert got["content"] == "Paris is " and got["finish"] == "stop"
+    short = answer_client.chat.completions.create(model="tiny", messages=USER, max_tokens=2)
+    assert short.choices[0].message.content == "Paris is" and short.choices[0].finish_reason == "length"
+    assert short.usage.completion_tokens == 2
+
+
+def test_completions_endpoint(answer_client):
+    prompt = [2, 105, 2364, 107, CHANNEL_CLOSE]  # ends like a chat prompt: the scripted answer follows
+    reply = answer_client.completions.create(model="tiny", prompt=prompt, max_tokens=40)
+    assert reply.choices[0].text == ANSWER and reply.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in answer_client.completions.create(model="tiny", prompt=prompt, max_tokens=3, stream=True) if c.choices)
+    assert streamed == "Paris is lovely"
+
+
+# ------------------------------------------------------------------------------ tools
+def test_tool_call_parsed_into_tool_calls(tool_client):
+    reply = tool_client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER_TOOL], max_tokens=60)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert call.id.startswith("call_")
+
+
+def test_tool_call_streamed_with_reasoning(tool_client):
+    got = collect(tool_client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER_TOOL], max_tokens=60, stream=True,
+                                                      extra_body={"chat_template_kwargs": {"enable_thinking": True}}))  # fmt: skip
+    assert got["finish"] == "tool_calls" and got["content"] == "" and got["reasoning"] == TOOL_THOUGHT
+    (call,) = got["tool_calls"]
+    assert call.index == 0 and call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+
+def test_tool_result_round_trip(tool_client):
+    first = tool_client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER_TOOL], max_tokens=60)
+    call = first.choices[0].message.tool_calls[0]
+    messages = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 24 C"},
+    ]
+    reply = tool_client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER_TOOL], max_tokens=60)
+    assert reply.choices[0].message.content == AFTER_TOOL and reply.choices[0].finish_reason == "stop"
+
+
+def test_tool_call_cut_by_max_tokens_comes_back_as_text(tool_client):
+    reply = tool_client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER_TOOL], max_tokens=4)
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.content == "<|tool_call>call:get"
+    assert not reply.choices[0].message.tool_calls
+
+
+# ------------------------------------------------------------------------------ bad input
+def raw(client, path: str, body: bytes | dict):
+    import httpx2
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx2.post(str(client.base_url).rstrip("/") + path, content=data, headers={"content-type": "application/json"}, timeout=60)
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b"{not json", 400, ["not valid JSON"]),
+    (b"[1, 2]", 400, ["JSON object"]),
+    ({"model": "tiny", "messages": USER, "temperature": "hot"}, 400, ["temperature"]),
+    ({"model": "tiny", "messages": USER, "max_tokens": 0}, 400, ["max_tokens"]),
+    ({"model": "tiny", "messages": USER, "frobnicate": 1}, 400, ["unknown field 'frobnicate'"]),
+    ({"model": "tiny", "messages": USER, "n": 2}, 400, ["n"]),
+    ({"model": "tiny", "messages": USER, "presence_penalty": 0.5}, 400, ["presence_penalty"]),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, ["messages[0].role"]),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "txt": "hi"}]}]}, 400, ["messages[0].content[0]"]),
+    ({"model": "other", "messages": USER}, 404, ["'other'"]),
+    ({"model": "tiny", "messages": USER, "max_tokens": 600}, 400, ["max_tokens", "context of 512"]),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 600}]}, 400, ["messages", "context is 512"]),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]},
+     400, ["messages[0].content[0]", "not a readable image"]),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}]},
+     400, ["local files are not allowed"]),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]},
+     400, ["network URLs are not allowed"]),
+    ({"model": "tiny", "prompt": [1, 999999]}, 400, ["prompt", "999999"]),
+    ({"model": "tiny", "messages": USER, "canvas_events": True, "stream": True}, 400, ["canvas_events"]),
+])  # fmt: skip
+def test_bad_input_is_a_4xx_naming_the_fault_and_the_server_keeps_serving(answer_client, body, status, words):
+    path = "/completions" if isinstance(body, dict) and "prompt" in body else "/chat/completions"
+    response = raw(answer_client, path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    for word in words:
+        assert word in error["message"], error
+    assert answer_client.chat.completions.create(model="tiny", messages=USER, max_tokens=40).choices[0].message.content == ANSWER
+
+
+def test_the_openai_client_raises_on_a_400(answer_client):
+    with pytest.raises(openai.BadRequestError, match="unknown field 'foo'"):
+        answer_client.chat.completions.create(model="tiny", messages=USER, extra_body={"foo": 1})
+
+
+# ------------------------------------------------------------------------------ concurrency
+def test_queue_bound_gives_429_with_retry_after(answer_model):
+    import threading
+
+    with running_server(answer_model, max_batch=1, max_queue=0) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        stream = client.chat.completions.create(model="tiny", messages=USER, max_tokens=400, stream=True, stop=["never"],
+                                                extra_body={"chat_template_kwargs": {"enable_thinking": False}})  # fmt: skip
+        next(iter(stream))  # the first request holds the only row
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.chat.completions.create(model="tiny", messages=USER, max_tokens=4)
+        assert int(caught.value.response.headers["Retry-After"]) >= 1
+        stream.close()
+        threading.Event().wait(0.5)
+        assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=40).choices[0].message.content == ANSWER
+
+
+def test_a_client_that_disconnects_cancels_its_request(answer_model):
+    import httpx2
+
+    with running_server(answer_model, max_batch=2) as url:
+        body = {"model": "tiny", "messages": USER, "max_tokens": 400, "stream": True}
+        with httpx2.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    break  # the answer has begun; hang up
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            metrics = httpx2.get(url + "/metrics").json()
+            if metrics["running_requests"] == 0 and metrics["requests_finished"]["cancelled"] + metrics["requests_finished"]["stop"] >= 1:
+                break
+            time.sleep(0.1)
+        assert metrics["running_requests"] == 0 and metrics["queue_length"] == 0
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=40).choices[0].message.content == ANSWER
+
+
+# ------------------------------------------------------------------------------ random weights
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory):
+    return models.load(str(save_random_chat(tmp_path_factory.mktemp("random-chat"))))
+
+
+def test_seeds_and_equality_with_generate(random_model):
+    with running_server(random_model, max_batch=4) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        prompt = random_model.encode("Once upon a time")
+        greedy = client.completions.create(model="tiny", prompt=prompt, max_tokens=12)
+        assert greedy.choices[0].text == random_model.generate(prompt, max_tokens=12)
+        sampled = [client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=1.0, seed=s).choices[0].text
+                   for s in (7, 7, 8)]  # fmt: skip
+        assert sampled[0] == sampled[1] != sampled[2]
+        alone = random_model.generate(prompt, max_tokens=12, sampling=SamplingOptions(temp=1.0, seed=7))
+        assert sampled[0] == alone
+        chat = client.chat.completions.create(model="tiny", messages=USER, max_tokens=10, temperature=0.8, top_p=0.9, seed=3, extra_body={"top_k": 50})
+        again = client.chat.completions.create(model="tiny", messages=USER, max_tokens=10, temperature=0.8, top_p=0.9, seed=3, extra_body={"top_k": 50})
+        assert chat.choices[0].message.content == again.choices[0].message.content
+
+
+def png_data_url(size=(40, 30), color=(200, 30, 30)) -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_images_on_a_text_model_are_refused_by_name(answer_client):
+    content = [{"type": "image_url", "image_url": {"url": png_data_url()}}, {"type": "text", "text": "What is this?"}]
+    with pytest.raises(openai.BadRequestError, match="no vision tower"):
+        answer_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=4)
