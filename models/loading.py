@@ -113,18 +113,23 @@ def load_graph(
     q_bits: int | None = None,
     q_group_size: int | None = None,
     q_policy: QuantizationPolicy | None = None,
+    sharding=None,
 ) -> LoadedGraph:
-    """Build the graph for ``folder`` and load its checkpoint (cast per ``models.precision.choose``)."""
+    """Build the graph for ``folder`` and load its checkpoint (cast per ``models.precision.choose``);
+    with ``sharding`` (``models.parallel``), only this rank's part of it."""
     raw = read_config(folder)
     source = str(folder / "config.json")
-    weights, _ = load_safetensors(folder)
+    weights, _ = load_safetensors(folder) if sharding is None else sharding.read(folder, raw)
     precision = choose(dtype, weights)
     weights = cast_weights(weights, precision)
     quantization = plan_load(raw, weights, source, q_bits, q_group_size, q_policy)
     architecture = architecture_for(raw, source, weights.keys())
     config = architecture.parse_config(raw)
     graph = architecture.build_graph(config)
-    architecture.load_weights(graph, weights)
+    if sharding is None:
+        architecture.load_weights(graph, weights)
+    else:
+        sharding.load(graph, architecture, weights)
     del weights  # the graph holds what it needs; the rest (e.g. float weights quantized away) can go
     report = quantize_model(graph, quantization) if quantization is not None else None
     graph.eval()
@@ -138,6 +143,7 @@ def load(
     q_bits: int | None = None,
     q_group_size: int | None = None,
     q_policy: QuantizationPolicy | None = None,
+    sharding=None,
 ):
     """Load a model by zoo name (``models.zoo.ZOO``), local folder or Hub repo id: a ``Model``, or a
     ``DiffusionModel`` for DiffusionGemma checkpoints.
@@ -150,11 +156,14 @@ def load(
     Pre-quantized MLX checkpoints load as stored; ``q_bits`` (4 or 8) and ``q_group_size`` (32, 64
     or 128; default 64), or a whole ``q_policy``, quantize a full-precision checkpoint on load
     (``docs/quantization.md``). ``models.precision.prepare`` then makes the graph fast on the
-    device it runs on.
+    device it runs on. ``sharding`` (``models.parallel.sharding_for``) loads this rank's part of a
+    model split over MLX's distributed group (``docs/distributed.md``).
     """
     folder = model_folder(name_or_path)
-    loaded = load_graph(folder, dtype, q_bits, q_group_size, q_policy)
+    loaded = load_graph(folder, dtype, q_bits, q_group_size, q_policy, sharding)
     device_notes = prepare(loaded.graph, loaded.precision)
+    if sharding is not None:
+        loaded.graph = sharding.connect(loaded.graph)
     generation_config = read_generation_config(folder)
     wrapper = None
     if tokenizer:

@@ -56,28 +56,10 @@ def load_safetensors(
     """
     target = parse_dtype(dtype)
     folder = Path(folder)
-    index = folder / INDEX_FILE
-    if (folder / SINGLE_FILE).is_file():
-        files = {SINGLE_FILE: folder_file(folder, SINGLE_FILE)}
-        expected: dict[str, str] = {}
-    elif index.is_file():
-        expected = _read_index(folder_file(folder, INDEX_FILE))
-        files = {
-            name: folder_file(folder, name, f"{index}: weight_map entry {name!r}")
-            for name in sorted(set(expected.values()))
-        }
-    else:
-        present = sorted(p.name for p in folder.glob("*.safetensors")) if folder.is_dir() else []
-        raise FileNotFoundError(
-            f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}"
-            + (f" (safetensors files found: {', '.join(present)})." if present else ".")
-        )
-
+    files, expected = checkpoint_files(folder)
     weights: dict[str, mx.array] = {}
     sources: dict[str, str] = {}
     for name, path in files.items():
-        if not path.is_file():
-            raise FileNotFoundError(f"Shard {name} listed in {folder / INDEX_FILE} does not exist.")
         check_safetensors_file(path)
         for key, array in mx.load(str(path)).items():
             if key in sources:
@@ -87,17 +69,48 @@ def load_safetensors(
             weights[key] = array
             sources[key] = name
 
+    check_index(folder, expected, sources)
+    return weights, sources
+
+
+def check_index(folder: Path, expected: dict[str, str], sources: dict[str, str]) -> None:
+    """Every tensor the index lists (``expected``: key -> file) must be in that file (``sources``)."""
     for key, name in expected.items():
         if sources.get(key) != name:
             found = f" (it is in {sources[key]})" if key in sources else ""
             raise CheckpointError(
                 f"{folder / INDEX_FILE} lists tensor {key!r} in {name}, but {name} does not hold it{found}."
             )
-    return weights, sources
+
+
+def checkpoint_files(folder: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """The checkpoint's safetensors files ``{file name: path}`` (each inside ``folder`` and present)
+    and, for a sharded checkpoint, its index ``{tensor key: file name}`` ({} for a single file)."""
+    index = folder / INDEX_FILE
+    if (folder / SINGLE_FILE).is_file():
+        return {SINGLE_FILE: folder_file(folder, SINGLE_FILE)}, {}
+    if not index.is_file():
+        present = sorted(p.name for p in folder.glob("*.safetensors")) if folder.is_dir() else []
+        raise FileNotFoundError(
+            f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}"
+            + (f" (safetensors files found: {', '.join(present)})." if present else ".")
+        )
+    expected = _read_index(folder_file(folder, INDEX_FILE))
+    files = {name: folder_file(folder, name, f"{index}: weight_map entry {name!r}") for name in sorted(set(expected.values()))}
+    for name, path in files.items():
+        if not path.is_file():
+            raise FileNotFoundError(f"Shard {name} listed in {index} does not exist.")
+    return files, expected
 
 
 def check_safetensors_file(path: str | os.PathLike) -> list[str]:
-    """Check a safetensors file's header and length; return its tensor names.
+    """Check a safetensors file's header and length; return its tensor names (``tensor_entries``)."""
+    return list(tensor_entries(path)[1])
+
+
+def tensor_entries(path: str | os.PathLike) -> tuple[int, dict[str, tuple[str, list[int], int, int]]]:
+    """Check a safetensors file's header and length; return where its data starts and, for each
+    tensor, ``(dtype, shape, start, end)`` (byte offsets into the data).
 
     Catches what a partial download or a damaged file looks like: a header length that does not fit,
     a header that is not JSON, a tensor whose byte range does not match its shape and dtype, and
@@ -134,7 +147,7 @@ def check_safetensors_file(path: str | os.PathLike) -> list[str]:
         raise CheckpointError(f"{path} has a corrupt header (a JSON {type(header).__name__}, not an object).")
 
     data_bytes = size - 8 - header_len
-    names = []
+    entries: dict[str, tuple[str, list[int], int, int]] = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -150,6 +163,7 @@ def check_safetensors_file(path: str | os.PathLike) -> list[str]:
                 f"{path} has a corrupt header entry for tensor {label!r} (it needs 'dtype', 'shape' and "
                 "two 'data_offsets')."
             ) from None
+        stored = dtype
         if dtype not in _ITEM_BYTES:
             dtype = "unknown dtype"
         if end - start != nbytes:
@@ -162,8 +176,8 @@ def check_safetensors_file(path: str | os.PathLike) -> list[str]:
                 f"{path} is truncated: tensor {label!r} ends at data byte {end} but the file holds only "
                 f"{data_bytes} bytes of data (incomplete download?)."
             )
-        names.append(name)
-    return names
+        entries[name] = (stored, list(shape), start, end)
+    return 8 + header_len, entries
 
 
 def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:

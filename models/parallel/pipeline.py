@@ -1,0 +1,203 @@
+"""Pipeline parallelism: the decoder layers split into consecutive stages, one per rank.
+
+Rank 0 runs the first layers (and holds the media towers), the last rank the last ones; each
+stage receives the hidden states from the rank before it (``recv``) and sends its own on
+(``send``), and the last stage's output reaches every rank (``all_gather``), where the final norm
+and the head make the logits, so every rank samples the same token from the same numbers. Every
+stage keeps the embedding table (the first stage embeds, every stage's head reads it) and, of
+Gemma 4's per-layer inputs, the table columns and projection rows of its own layers.
+
+The plan (``stage_bounds``) splits the layers evenly, except that a KV-shared layer stays on the
+rank of the layer whose keys and values it reads: the layers from the first donor on form one
+stage (E2B: layers 13-34 of 35). Sending a donor's keys and values to another rank would mean a
+second copy of its cache there, written in step with it; this plan sends hidden states only.
+
+Prefill chunks (``window`` reads of plain text) are cut into micro-batches that go through the
+stages one after the other: while stage 1 runs micro-batch 1, stage 0 runs micro-batch 2. Each
+micro-batch is one more ``window`` read on every layer's cache, the same as a smaller prefill
+chunk. A decode step is one position: the stages take turns.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any, Mapping
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from cache import Read, advance
+from graphs.diffusion_gemma_config import DiffusionGemmaConfig
+from graphs.layers import CheckedCaches, float_dtype
+from weights.shards import SKIP, Decision, Part
+
+from models.parallel.modules import layer_columns
+from models.parallel.sharding import LAYER_KEY, Sharding, decoder_of
+
+# Prefill micro-batches: at most this many per chunk and ranks, and none shorter than MIN_MICRO_BATCH positions.
+MICRO_BATCHES_PER_RANK = 2
+MIN_MICRO_BATCH = 32
+
+
+def stage_bounds(text, size: int) -> list[int]:
+    """``[0, b1, ..., L]``: rank r runs layers ``[b_r, b_{r+1})``; an even split whose boundaries
+    stay at or before the first KV donor (every KV-shared layer on its donor's rank). Raises
+    ``ValueError`` (the reason) when ``size`` stages do not fit."""
+    L = text.num_hidden_layers
+    limit = min(text.kv_donors.values()) if text.num_kv_shared_layers else L - 1
+    if size - 1 > limit:
+        shared = f" (layers {limit}-{L - 1} share keys and values, so they form one stage)" if text.num_kv_shared_layers else ""
+        raise ValueError(f"{L} layers give at most {limit + 1} stages{shared}")
+    bounds = [0]
+    for k in range(1, size):
+        bound = min(round(k * L / size), limit - (size - 1 - k))
+        bounds.append(max(bound, bounds[-1] + 1))
+    return bounds + [L]
+
+
+class Elsewhere(nn.Module):
+    """A decoder layer another rank runs: no weights here, never called."""
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError("pipeline: this layer runs on another rank")
+
+
+class PipelineParallel(Sharding):
+    mode = "pipeline"
+
+    def configure(self, config, raw: Mapping[str, Any]) -> None:
+        if isinstance(config, DiffusionGemmaConfig):
+            raise self.refuse("DiffusionGemma runs tensor-parallel only (--parallel tensor)")
+        text = self.text = getattr(config, "text", config)
+        if text.use_bidirectional_attention == "all":
+            raise self.refuse("a use_bidirectional_attention='all' encoder has no generation to pipeline")
+        try:
+            self.bounds = stage_bounds(text, self.size)
+        except ValueError as err:
+            raise self.refuse(str(err)) from None
+        self.start, self.end = self.bounds[self.rank], self.bounds[self.rank + 1]
+
+    def details(self) -> dict[str, Any]:
+        return {"stages": self.bounds}
+
+    def part_of(self, key: str, shape: tuple[int, ...]) -> Decision:
+        layer = LAYER_KEY.search(key)
+        if layer is not None:
+            return None if self.start <= int(layer.group(1)) < self.end else SKIP
+        module = key.split(".")[-2] if "." in key else ""
+        L = self.text.num_hidden_layers
+        mine = ((Fraction(self.start, L), Fraction(self.end, L)),)
+        if module == "embed_tokens_per_layer":
+            return Part(-1, mine)
+        if module == "per_layer_model_projection":
+            return Part(0, mine)
+        return None
+
+    def shape(self, graph: nn.Module) -> None:
+        decoder = decoder_of(graph)
+        for i in range(len(decoder.layers)):
+            if not self.start <= i < self.end:
+                decoder.layers[i] = Elsewhere()
+        P = self.text.hidden_size_per_layer_input
+        if P:
+            width = (self.end - self.start) * P
+            decoder.embed_tokens_per_layer = nn.Embedding(self.text.vocab_size_per_layer_input, width)
+            decoder.per_layer_model_projection = nn.Linear(self.text.hidden_size, width, bias=False)
+
+    def join(self, graph: nn.Module) -> nn.Module:
+        decoder = decoder_of(graph)
+        P, L = self.text.hidden_size_per_layer_input, self.text.num_hidden_layers
+        if P:
+            before, after = self.start * P, (L - self.end) * P
+            decoder.embed_tokens_per_layer = layer_columns(decoder.embed_tokens_per_layer, before, after)
+            decoder.per_layer_model_projection = layer_columns(decoder.per_layer_model_projection, before, after)
+        stage = PipelineStage(decoder, self.bounds, self.group)
+        if "language_model" in graph:
+            graph.language_model = stage
+            return graph
+        return stage
+
+
+class PipelineStage(CheckedCaches, nn.Module):
+    """One rank's stage of a Gemma 4 decoder: called as the decoder is (``__call__``, ``forward``,
+    ``make_cache``), its caches are those of its own layers."""
+
+    def __init__(self, decoder: nn.Module, bounds: list[int], group: mx.distributed.Group):
+        super().__init__()
+        self.decoder = decoder
+        self.group, self.rank, self.size = group, group.rank(), group.size()
+        self.start, self.end = bounds[self.rank], bounds[self.rank + 1]
+        self.dtype = float_dtype(decoder.embed_tokens)
+        self.micro_batches = MICRO_BATCHES_PER_RANK * self.size
+
+    @property
+    def config(self):
+        return self.decoder.config
+
+    def make_cache(self) -> list:
+        """The caches of this stage's layers (KV-shared views of donors on this stage)."""
+        return self.decoder.make_cache()[self.start : self.end]
+
+    def __call__(self, input_ids: mx.array, cache: list | None = None, last_only: bool = False, with_hidden: bool = False):
+        read = Read.decode() if cache is not None and input_ids.shape[1] == 1 else Read.window()
+        return self.forward(input_ids, self.make_cache() if cache is None else cache, read, last_only, with_hidden)
+
+    def forward(self, tokens, cache: list, read: Read, last_only: bool = False, with_hidden: bool = False):
+        """As ``Gemma4TextModel.forward``: the logits (and the final normed hidden states), on every rank."""
+        self.check_cache(cache)
+        length = getattr(tokens, "ids", tokens).shape[1]
+        pieces = self._micro_batches(tokens, read, length)
+        finals = []
+        for n, (a, b) in enumerate(pieces):
+            final = n == len(pieces) - 1
+            need = "all" if not last_only else ("last" if final else "none")
+            h = self._stage(tokens if len(pieces) == 1 else tokens[:, a:b], cache, read, need)
+            if h is not None:
+                finals.append(h)
+        h = self.decoder.norm(finals[0] if len(finals) == 1 else mx.concatenate(finals, axis=1))
+        logits = self.decoder.logits(h)
+        return (logits, h) if with_hidden else logits
+
+    def _micro_batches(self, tokens, read: Read, length: int) -> list[tuple[int, int]]:
+        """Position ranges of the micro-batches: only text prefill chunks (``window`` reads) are cut."""
+        count = min(self.micro_batches, length // MIN_MICRO_BATCH)
+        if self.size == 1 or read.name != "window" or not isinstance(tokens, mx.array) or count < 2:
+            return [(0, length)]
+        bounds = [round(k * length / count) for k in range(count + 1)]
+        return list(zip(bounds, bounds[1:]))
+
+    def _stage(self, tokens, cache: list, read: Read, need: str) -> mx.array | None:
+        """This rank's layers on one micro-batch; the last stage's output on every rank (``need``:
+        every position, the last one, or none when only the caches are wanted)."""
+        decoder, first, last = self.decoder, self.rank == 0, self.rank == self.size - 1
+        ids = getattr(tokens, "ids", tokens)
+        B, L = ids.shape
+        offset = cache[0].offset  # the stage's first layer owns storage (KV-shared layers follow their donor)
+        has_ple = "embed_tokens_per_layer" in decoder
+        embedded = decoder.embed(tokens) if first or has_ple else None
+        per_layer = decoder.per_layer_inputs(tokens, embedded) if has_ple else None
+        if first:
+            h = embedded
+        else:
+            h = mx.distributed.recv((B, L, decoder.config.hidden_size), self.dtype, self.rank - 1, group=self.group)
+        for i in range(self.start, self.end):
+            if need != "all" and i == decoder.config.first_kv_shared_layer:
+                # No later layer writes a cache: only the last position goes on (or none at all).
+                if need == "none":
+                    break
+                if h.shape[1] > 1:
+                    offset = advance(offset, h.shape[1] - 1)
+                    h = h[:, -1:]
+                    per_layer = None if per_layer is None else per_layer[:, -1:]
+            h = decoder.layers[i](h, None if per_layer is None else per_layer[:, :, i, :], cache[i - self.start], offset, read)
+        if not last:
+            h = mx.distributed.send(h, self.rank + 1, group=self.group)
+        mx.eval(h)  # this micro-batch leaves now, while the next one is built
+        if need == "none":
+            return None
+        if need == "last":
+            h = h[:, -1:]
+        if self.size == 1:
+            return h
+        # Every rank's last-stage output: the last rank's rows of the gather (the others' are placeholders).
+        return mx.distributed.all_gather(h, group=self.group)[(self.size - 1) * B :]
