@@ -180,3 +180,25 @@ def test_batch_generate_text_equals_generate_on_the_real_270m():
     prompts = ["The capital of France is", "Water boils at", "A haiku about the sea:\n"]
     want = [model.generate(p, max_tokens=12) for p in prompts]
     assert model.batch_generate(prompts, max_tokens=12, max_batch=2) == want
+
+
+def test_prefix_store_serves_admissions_exactly(gemma4):
+    """Requests behind one long shared prefix (windows wrapped inside it) reuse it and still equal alone."""
+    from models.generation.prefix_store import PrefixStore
+
+    rng = np.random.default_rng(5)
+    system = [2] + [int(x) for x in rng.integers(3, gemma4.vocab_size, 40)]
+    prompts = [system + [int(x) for x in rng.integers(3, gemma4.vocab_size, n)] for n in (3, 6, 2, 9)]
+    want = [alone(gemma4, p, SamplingOptions(), 8) for p in prompts]
+    store = PrefixStore(max_bytes=1 << 26)
+    generator = BatchGenerator(gemma4, max_batch=2, prefix_store=store, prefill_step_size=16)
+    ids = [generator.submit(BatchRequest(p, max_tokens=8, stop_ids=STOP)) for p in prompts]
+    got, reused = {i: [] for i in ids}, {}
+    while generator.busy:
+        for event in generator.step():
+            reused[event.request_id] = event.reused_tokens
+            if event.token is not None and event.finish_reason is None:
+                got[event.request_id].append(event.token)
+    assert [got[i] for i in ids] == want
+    assert reused[ids[0]] == 0 and all(reused[i] >= 32 for i in ids[1:])
+    assert store.stats.hits == 3
