@@ -118,8 +118,8 @@ SWITCHES: dict[str, Switch] = {
         ),
         Switch(
             "GEMMA_ZOO_CPU_QUANT", "choice", "auto",
-            "quantized layers on a CPU with a fast BLAS (auto: dequantized to float32 if that fits in memory, else float32 scales)",
-            choices=("auto", "dequantize", "fp32-scales", "as-stored"),
+            "quantized layers on a CPU with a fast BLAS (auto: the packed kernels where built; else dequantized to float32 if that fits in memory, else float32 scales)",
+            choices=("auto", "dequantize", "fp32-scales", "as-stored", "packed"),
         ),
         Switch(
             "GEMMA_ZOO_ASSETS", "path", None,

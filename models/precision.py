@@ -14,7 +14,7 @@ Upcasting doubles what the float weights take, so tables the model only *gathers
 (Gemma 4's per-layer embeddings, most of E2B's parameters) keep the checkpoint's dtype: their
 rows are cast as they are read. And when the upcast model would not fit in half of the machine's
 memory, the checkpoint's dtype is kept and the reason stated. Quantized weights (integer tensors)
-are left to ``apply_quantized_policy`` (dequantized to float32 on the CPU by default).
+are left to ``apply_quantized_policy`` (on the CPU: the packed kernels, else dequantized to float32).
 
 An explicit ``dtype`` ("float32", "bfloat16", "float16") casts every float weight, as before;
 ``dtype=None`` keeps the checkpoint's dtypes untouched.
@@ -33,6 +33,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
+import kernels
 import zoo_switches
 from cache import cpu_math
 from graphs.layers import GeGLUMLP
@@ -142,8 +143,8 @@ CPU_STREAMS = 2  # decode's few-row products split over this many CPU streams
 def prepare(graph: nn.Module, precision: Precision) -> list[str]:
     """The plan for the device the graph will run on, applied; returns what is in effect, one line each.
 
-    On the CPU with a fast BLAS: quantized layers follow ``quantized_policy`` (dequantized to
-    float32 by default), the output head is stored transposed (``VocabularyHead.split_head``) and,
+    On the CPU with a fast BLAS: quantized layers follow ``quantized_policy`` (the packed kernels
+    by default, where they were built; else dequantized to float32), the output head is stored transposed (``VocabularyHead.split_head``) and,
     unless ``GEMMA_ZOO_STREAMS=0``, split over CPU streams with every GeGLU MLP
     (``GeGLUMLP.use_streams``). On a GPU, or without a fast BLAS, the graph is left as built.
     """
@@ -176,16 +177,26 @@ def prepare(graph: nn.Module, precision: Precision) -> list[str]:
 def quantized_policy(graph: nn.Module) -> tuple[str, str]:
     """``(choice, why)`` for the quantized layers of ``graph`` on this CPU (``$GEMMA_ZOO_CPU_QUANT``).
 
-    MLX's CPU ``quantized_matmul`` is a scalar loop; dequantized to float32 once, the same layers
-    run through the BLAS like any float32 checkpoint and give the same products up to summation
-    order, at the memory of float32 (4 bytes a weight instead of ~0.56 at 4 bits). ``auto``
-    dequantizes when the result fits in ``MEMORY_SHARE`` of the machine's memory, else keeps the
-    packed weights with float32 scales (small and slow). ``docs/speed.md`` has the measurements.
+    MLX's CPU ``quantized_matmul`` is a scalar loop. ``auto`` takes the packed kernels
+    (``kernels``: the 4/8-bit weights read at memory bandwidth, products equal to the dequantized
+    ones up to summation order) where the extension was built; without them it dequantizes to
+    float32 for the BLAS (the same products, at 4 bytes a weight) when that fits in
+    ``MEMORY_SHARE`` of the machine's memory, else keeps the packed weights with float32 scales
+    (small and slow). ``docs/speed.md`` has the measurements.
     """
     choice = zoo_switches.value(QUANT_SWITCH)
     if choice != "auto":
         return choice, f"{QUANT_SWITCH}={choice}"
-    dense = sum(_dense_bytes(m) for _, m in _quantized_leaves(graph)) + float_bytes(graph, quantized=False)
+    status = kernels.status()
+    if status.available:
+        return "packed", f"products through the packed kernels: {status.note}"
+    choice, why = _memory_rule(graph, _quantized_leaves(graph))
+    return choice, f"{kernels.describe()}; {why}"
+
+
+def _memory_rule(graph: nn.Module, leaves: list[tuple[str, nn.Module]]) -> tuple[str, str]:
+    """``dequantize`` when ``leaves`` dequantized (and the float weights) fit in ``MEMORY_SHARE`` of memory, else ``fp32-scales``."""
+    dense = sum(_dense_bytes(m) for _, m in leaves) + float_bytes(graph, quantized=False)
     memory = physical_memory()
     if memory and dense > MEMORY_SHARE * memory:
         return "fp32-scales", (
@@ -195,23 +206,47 @@ def quantized_policy(graph: nn.Module) -> tuple[str, str]:
 
 
 def apply_quantized_policy(graph: nn.Module) -> str | None:
-    """Dequantize or rescale the quantized layers of ``graph`` for the CPU; None when it has none."""
+    """Pack, dequantize or rescale the quantized layers of ``graph`` for the CPU; None when it has none."""
     leaves = _quantized_leaves(graph)
     if not leaves:
         return None
     choice, why = quantized_policy(graph)
     if choice == "as-stored":
         return f"quantized layers: as stored ({why})"
-    if choice == "dequantize":
+    notes = []
+    if choice == "packed":
+        if not kernels.status().available:
+            raise RuntimeError(f"{QUANT_SWITCH}=packed, but the {kernels.describe().removeprefix('packed ')}")
+        packed, leaves = _packed_layers(graph, leaves)
+        notes.append(f"{packed} packed with float32 scales ({why})")
+        if leaves:  # layers the kernels do not take (MoE experts, other bit widths or modes)
+            choice, why = _memory_rule(graph, leaves)
+    if leaves and choice == "dequantize":
         for path, module in leaves:
             _set_module(graph, path, _dequantized(module))
     # Everything else computes in float32 too (scales and biases of packed layers, norms, embeddings),
     # so activations stay float32: MLX's CPU quantized matmul is several times slower with bf16 scales.
     cast_module(graph, Precision(mx.float32, "", GATHER_ONLY))
     mx.eval(graph.parameters())
-    if choice == "fp32-scales":
-        return f"quantized layers: {len(leaves)} kept packed with float32 scales ({why})"
-    return f"quantized layers: {len(leaves)} dequantized to float32 on load ({why})"
+    if leaves and choice == "fp32-scales":
+        notes.append(f"{len(leaves)} kept packed with float32 scales ({why})")
+    elif leaves:
+        notes.append(f"{len(leaves)} dequantized to float32 on load ({why})")
+    return "quantized layers: " + "; ".join(notes)
+
+
+def _packed_layers(graph: nn.Module, leaves: list[tuple[str, nn.Module]]) -> tuple[int, list[tuple[str, nn.Module]]]:
+    """Put ``kernels.PackedLinear`` / ``PackedEmbedding`` in place of the layers the kernels take;
+    ``(how many, the leaves left)``."""
+    left = []
+    for path, module in leaves:
+        if isinstance(module, nn.QuantizedEmbedding) and kernels.unpackable(module) is None:
+            _set_module(graph, path, kernels.PackedEmbedding.of(module))
+        elif isinstance(module, nn.QuantizedLinear) and kernels.unpackable(module) is None:
+            _set_module(graph, path, kernels.PackedLinear.of(module))
+        else:
+            left.append((path, module))
+    return len(leaves) - len(left), left
 
 
 def _quantized_leaves(graph: nn.Module) -> list[tuple[str, nn.Module]]:

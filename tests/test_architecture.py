@@ -1,10 +1,11 @@
 """The direction of every import between the project's packages, read from the source with ``ast``.
 
-    examples -> models -> {graphs, weights, cache};  graphs -> cache
+    examples -> models -> {graphs, weights, cache, kernels};  graphs -> cache
 
 ``graphs`` never imports ``models`` or ``weights``; ``weights`` imports neither ``graphs`` nor
 ``models`` (it hands arrays by name and takes plain values); ``cache`` imports nothing of the
-project; no library package imports ``examples``, ``benchmarks`` or ``tests``. The two top-level
+project; ``kernels`` (the packed-weight extension) imports nothing of the project either and is
+used by ``models``' device plan; no library package imports ``examples``, ``benchmarks`` or ``tests``. The two top-level
 modules ``zoo_blas`` and ``zoo_switches`` (the BLAS preload and the switch table) sit below
 everything and import no package of the project. Every import counts, including those inside
 functions (lazy imports still make the dependency).
@@ -18,9 +19,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("cache", "graphs", "weights", "models", "examples", "benchmarks", "tests")
+PACKAGES = ("cache", "graphs", "weights", "kernels", "models", "examples", "benchmarks", "tests")
 BASE_MODULES = ("zoo_blas", "zoo_switches")
-LIBRARY = ("cache", "graphs", "weights", "models")
+LIBRARY = ("cache", "graphs", "weights", "kernels", "models")
 # What each top-level unit may import of the project (itself always allowed).
 ALLOWED: dict[str, set[str]] = {
     "zoo_switches": set(),
@@ -28,7 +29,8 @@ ALLOWED: dict[str, set[str]] = {
     "cache": {*BASE_MODULES},
     "graphs": {"cache", *BASE_MODULES},
     "weights": {*BASE_MODULES},
-    "models": {"graphs", "weights", "cache", *BASE_MODULES},
+    "kernels": {*BASE_MODULES},
+    "models": {"graphs", "weights", "cache", "kernels", *BASE_MODULES},
     "examples": {"models", "cache", *BASE_MODULES},
     "benchmarks": {*LIBRARY, "examples", *BASE_MODULES},
     "tests": {*LIBRARY, "examples", "benchmarks", *BASE_MODULES},
@@ -98,6 +100,8 @@ def test_every_import_follows_the_dependency_direction():
         ("graphs/layers.py", "def f():\n    import weights.quantize\n", "graphs -> weights"),
         ("weights/gemma4_keys.py", "from graphs.gemma4_text_config import Gemma4TextConfig\n", "weights -> graphs"),
         ("cache/base.py", "from graphs import layers\n", "cache -> graphs"),
+        ("graphs/layers.py", "import kernels\n", "graphs -> kernels"),
+        ("kernels/__init__.py", "from models import precision\n", "kernels -> models"),
         ("models/loading.py", "from examples import chat\n", "models -> examples"),
         ("graphs/gemma3_text.py", "from ..models import zoo\n", "graphs -> models"),
     ],
