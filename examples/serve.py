@@ -28,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row before 429s (default 64)")
+    p.add_argument("--prefix-cache-bytes", type=int, default=1 << 30,
+                   help="bytes of earlier prompts' caches kept for reuse by later requests (default 1 GiB; 0: off)")  # fmt: skip
     p.add_argument("--allowed-media-dir", action="append", default=[], metavar="DIR",
                    help="local image/video paths in requests may point inside DIR (repeatable; default: none)")  # fmt: skip
     p.add_argument("--allow-network-media", action="store_true", help="fetch http(s) media URLs (default: refused)")
@@ -41,7 +43,9 @@ def main(argv=None) -> int:
     problem = check_args(args)
     try:
         check_positive_int("max_batch", args.max_batch)
-        check_positive_int("max_queue", args.max_queue)
+        for name in ("max_queue", "prefix_cache_bytes"):
+            if getattr(args, name) < 0:
+                raise GenerationOptionError(name, getattr(args, name), "must be a whole number >= 0")
     except GenerationOptionError as err:
         problem = problem or f"--{err.argument.replace('_', '-')} {err.value}: {err.requirement}"
     if problem:
@@ -50,6 +54,7 @@ def main(argv=None) -> int:
     try:
         import uvicorn
 
+        from models.generation.prefix_store import PrefixStore
         from models.serving.app import ServerSettings, make_app
         from models.serving.engine import Engine
         from models.serving.media import MediaPolicy
@@ -65,15 +70,17 @@ def main(argv=None) -> int:
     if model is None:
         return 1
     try:
+        store = PrefixStore(args.prefix_cache_bytes) if args.prefix_cache_bytes else None
         engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, kv_quantization=kv_quantization_from_args(args),
-                        prefill_step_size=args.prefill_step_size)  # fmt: skip
+                        prefill_step_size=args.prefill_step_size, prefix_store=store)  # fmt: skip
+        model.max_soft_tokens = args.max_soft_tokens
+        settings = ServerSettings(args.model_id or args.model, args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p,
+                                  args.seed, media)  # fmt: skip
+        app = make_app(model, engine, settings)
     except ValueError as err:
         print(f"error: {flag_error(err) if isinstance(err, GenerationOptionError) and err.argument in FLAGS else err}", file=sys.stderr)
         return 2
-    model.max_soft_tokens = args.max_soft_tokens
-    settings = ServerSettings(args.model_id or args.model, args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p,
-                              args.seed, media)  # fmt: skip
-    app = make_app(model, engine.start(), settings)
+    engine.start()
     logging.basicConfig(level=args.log_level.upper())
     print(f"serving {settings.model_id} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import secrets
 import tempfile
@@ -292,6 +293,8 @@ def sse(payload: dict | str) -> str:
 
 
 def make_app(model, engine: Engine, settings: ServerSettings) -> Starlette:
+    if model.tokenizer is None:
+        raise ValueError(f"{model.path} has no tokenizer; the server needs one to read messages and write answers")
     server = Server(model, engine, settings)
 
     def check_model(name: str) -> None:
@@ -408,8 +411,7 @@ def make_app(model, engine: Engine, settings: ServerSettings) -> Starlette:
             "max_queue": engine.max_queue, "requests_total": m.requests, "requests_rejected": m.rejected,
             "requests_finished": m.finished, "prompt_tokens_total": m.prompt_tokens,
             "generated_tokens_total": m.generated_tokens, "tokens_per_second": round(m.tokens_per_second(), 2),
-            "prefix_store": {"hits": m.prefix_hits, "reused_tokens": m.reused_tokens,
-                             "bytes": store.nbytes if store is not None else 0, "enabled": store is not None},
+            "prefix_store": {"enabled": False} if store is None else {"enabled": True, **dataclasses.asdict(store.stats)},
         })  # fmt: skip
 
     routes = [

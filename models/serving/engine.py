@@ -79,8 +79,6 @@ class Metrics:
     rejected: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    prefix_hits: int = 0
-    reused_tokens: int = 0
     recent: deque = field(default_factory=lambda: deque(maxlen=4096))  # (time, tokens) of recent steps
 
     def tokens_per_second(self, window: float = 10.0) -> float:
@@ -234,9 +232,6 @@ class Engine:
         m = self.metrics
         m.finished[event.finish_reason] = m.finished.get(event.finish_reason, 0) + 1
         m.prompt_tokens += event.prompt_tokens
-        if event.reused_tokens:
-            m.prefix_hits += 1
-            m.reused_tokens += event.reused_tokens
         ticket.deliver(event)
 
     def _batch_step(self) -> None:
