@@ -1,0 +1,90 @@
+"""Whole models through the packed kernels: the CPU policy puts ``kernels.PackedLinear`` /
+``PackedEmbedding`` in place of every 4/8-bit layer, and the logits and greedy tokens are those of
+the same quantized model run as stored (MLX's own quantized matmul) and dequantized to float32.
+
+Tiny random checkpoints saved by transformers: Gemma 4 (T1 with attention biases and an untied
+head, E2B-like with per-layer inputs and KV sharing) and Gemma 3 (tied head); prompts long enough
+that prefill chunks take the dequantize-then-BLAS path and decode steps take the kernel.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import kernels  # noqa: E402
+import models  # noqa: E402
+import zoo_switches  # noqa: E402
+from models import precision  # noqa: E402
+from models.generation.generate import generate_tokens  # noqa: E402
+from tests import hf_tiny  # noqa: E402
+from tests import quant_tiny as qt  # noqa: E402
+from tests.test_convert import _gemma3  # noqa: E402
+from weights.quantize import QuantizationPolicy  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not (kernels.status().available and precision.on_cpu() and precision.fast_cpu_blas()),
+    reason=f"the packed CPU path is not in use here ({kernels.describe()})",
+)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("packed")
+    hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS["T1_bias_untied"], root / "T1_bias_untied")
+    hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS["E2B_like"], root / "E2B_like")
+    _gemma3("base", root / "gemma3")
+    return root
+
+
+def _load(folder, policy: str, bits: int, group: int, **kwargs):
+    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT=policy):
+        if kwargs:
+            return models.load(str(folder), tokenizer=False, **kwargs)
+        return models.load(str(folder), tokenizer=False, q_bits=bits, q_group_size=group)
+
+
+@pytest.mark.parametrize("name", ["T1_bias_untied", "E2B_like", "gemma3"])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 64)])
+def test_packed_model_equals_the_stored_and_dequantized_ones(folders, name, bits, group):
+    packed = _load(folders / name, "packed", bits, group)
+    stored = _load(folders / name, "as-stored", bits, group)
+    dense = _load(folders / name, "dequantize", bits, group)
+    layers = [m for _, m in packed.graph.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    assert layers and all(isinstance(m, (kernels.PackedLinear, kernels.PackedEmbedding)) for m in layers)
+    assert any(note.startswith(f"quantized layers: {len(layers)} packed with float32 scales") for note in packed.device_notes)
+    ids = qt.token_ids(5, 40, 256)  # more rows than kernels.KERNEL_ROWS: the dequantize-then-BLAS path
+    want = stored.logits(ids)
+    assert qt.max_relative_difference(packed.logits(ids), want) < 1e-4
+    assert qt.max_relative_difference(dense.logits(ids), want) < 1e-4
+    prompt = ids[0][:24]
+    a = list(generate_tokens(packed.forward, prompt, packed.make_cache(), max_tokens=12))
+    b = list(generate_tokens(dense.forward, prompt, dense.make_cache(), max_tokens=12))
+    assert a == b
+
+
+def test_auto_takes_the_kernels_and_an_explicit_packed_without_them_is_refused(folders, monkeypatch):
+    model = _load(folders / "gemma3", "auto", 8, 64)
+    assert isinstance(model.graph.embed_tokens, kernels.PackedEmbedding)
+    monkeypatch.setattr(kernels, "_status", kernels.Status(None, "not built at install time: no compiler"))
+    with pytest.raises(RuntimeError, match="GEMMA_ZOO_CPU_QUANT=packed, but the 4/8-bit kernels off: not built"):
+        _load(folders / "gemma3", "packed", 8, 64)
+    fallback = _load(folders / "gemma3", "auto", 8, 64)
+    assert not precision._quantized_leaves(fallback.graph)
+    assert any("packed 4/8-bit kernels off: not built at install time: no compiler" in n for n in fallback.device_notes)
+
+
+def test_layers_the_kernels_do_not_take_follow_the_memory_rule(folders):
+    """3-bit layers have no kernel: dequantized to float32, said beside the packed (8-bit) embedding."""
+    policy = QuantizationPolicy(3, 32, embed_bits=8)
+    model = _load(folders / "gemma3", "packed", 0, 0, q_policy=policy)
+    assert isinstance(model.graph.embed_tokens, kernels.PackedEmbedding)
+    assert [type(m) for _, m in precision._quantized_leaves(model.graph)] == [kernels.PackedEmbedding]
+    assert any("quantized layers: 1 packed" in n and "dequantized to float32" in n for n in model.device_notes)
+    ids = qt.token_ids(1, 8, 256)
+    want = _load(folders / "gemma3", "as-stored", 0, 0, q_policy=policy).logits(ids)
+    assert qt.max_relative_difference(model.logits(ids), want) < 1e-4
