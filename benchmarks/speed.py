@@ -18,6 +18,10 @@ mean decode position). Stacks:
 
 - ``ours``: ``models.load`` + ``models.generation.generate.generate_tokens``, out of the box (the fast BLAS
   preload, ``dtype="auto"``, the head layout, the compiled decode pieces);
+- ``ours 8-bit`` / ``ours 4-bit``: the same on a pre-quantized folder (8-bit g64; 4-bit g64 layers
+  with an 8-bit embedding and tied head, the shape of llama.cpp's Q4_K_M with its Q8_0 embedding),
+  written once by ``models.convert`` (the 270M: the zoo's ``gemma-3-270m-8bit`` / ``-4bit``), run
+  through the packed kernels (``kernels``), the CPU default for quantized weights;
 - ``mlx-lm stock``: ``mlx_lm`` as a user gets it (bf16, as Hub checkpoints are; bundled BLAS);
 - ``mlx-lm + BLAS``: ``mlx_lm`` in float32 with the same BLAS as ours loaded before MLX;
 - ``torch``: transformers ``generate`` on PyTorch CPU in float32, 2 threads, sdpa;
@@ -39,7 +43,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STACKS = ("ours", "mlx-lm stock", "mlx-lm + BLAS", "torch", "llama.cpp")
+STACKS = ("ours", "ours 8-bit", "ours 4-bit", "mlx-lm stock", "mlx-lm + BLAS", "torch", "llama.cpp")
+# Our quantized rows: stack -> (bits, embedding bits), on a folder from quantized_folder().
+QUANTIZED = {"ours 8-bit": (8, 8), "ours 4-bit": (4, 8)}
 # name -> (stack, extra environment, child options); the ablations run on the 270M only.
 ABLATIONS = {
     "ours (all on)": ("ours", {}, {}),
@@ -52,10 +58,13 @@ ABLATIONS = {
     "bundled reference BLAS (GEMMA_ZOO_BLAS=off)": ("ours", {"GEMMA_ZOO_BLAS": "off"}, {"short": True}),
     "OpenBLAS (GEMMA_ZOO_BLAS=openblas)": ("ours", {"GEMMA_ZOO_BLAS": "openblas"}, {}),
     "MKL threads spin 200 ms (KMP_BLOCKTIME=200, MKL's default)": ("ours", {"KMP_BLOCKTIME": "200"}, {}),
-    "4-bit, dequantized on load (default CPU policy)": ("ours", {"GEMMA_ZOO_CPU_QUANT": "auto"}, {"q_bits": 4}),
-    "4-bit, packed, float32 scales": ("ours", {"GEMMA_ZOO_CPU_QUANT": "fp32-scales"}, {"q_bits": 4, "short": True}),
-    "8-bit, dequantized on load (default CPU policy)": ("ours", {"GEMMA_ZOO_CPU_QUANT": "auto"}, {"q_bits": 8}),
-    "8-bit, packed, float32 scales": ("ours", {"GEMMA_ZOO_CPU_QUANT": "fp32-scales"}, {"q_bits": 8, "short": True}),
+    "8-bit folder, packed kernels (default CPU policy)": ("ours 8-bit", {}, {}),
+    "8-bit folder, packed kernels, MLPs not split over streams (GEMMA_ZOO_STREAMS=0)": ("ours 8-bit", {"GEMMA_ZOO_STREAMS": "0"}, {}),
+    "8-bit folder, dequantized on load": ("ours 8-bit", {"GEMMA_ZOO_CPU_QUANT": "dequantize"}, {}),
+    "8-bit folder, MLX's quantized matmul, float32 scales": ("ours 8-bit", {"GEMMA_ZOO_CPU_QUANT": "fp32-scales"}, {"short": True}),
+    "4-bit folder, packed kernels (default CPU policy)": ("ours 4-bit", {}, {}),
+    "4-bit folder, dequantized on load": ("ours 4-bit", {"GEMMA_ZOO_CPU_QUANT": "dequantize"}, {}),
+    "4-bit folder, MLX's quantized matmul, float32 scales": ("ours 4-bit", {"GEMMA_ZOO_CPU_QUANT": "fp32-scales"}, {"short": True}),
 }
 
 
@@ -73,6 +82,23 @@ def gemma4_folder() -> Path:
 
 
 MODELS = {"gemma3": ("Gemma 3 270M (real weights)", gemma3_folder), "gemma4": ("Gemma 4 E2B-shaped (random)", gemma4_folder)}
+
+
+def quantized_folder(folder: Path, bits: int, embed_bits: int) -> Path:
+    """``folder`` quantized (group 64, ``embed_bits`` for the embeddings and tied head) by
+    ``models.convert``, once, beside it; the 270M's is the zoo's own folder."""
+    from models.assets.gemma3_270m import gemma3_270m_folder
+    from models.zoo import ZOO
+
+    if folder == gemma3_270m_folder():
+        return ZOO[f"gemma-3-270m-{bits}bit"]()
+    out = folder.with_name(f"{folder.name}-{bits}bit-g64-e{embed_bits}")
+    if not (out / "config.json").is_file():
+        from models.convert import convert
+        from weights.quantize import QuantizationPolicy
+
+        convert(str(folder), out, q_policy=QuantizationPolicy(bits, 64, embed_bits=embed_bits))
+    return out
 
 
 def prompt_ids(n: int) -> list[int]:
@@ -118,8 +144,8 @@ def kv_bytes_per_token(config: dict, mean_position: int, item: int) -> int:
 # ---------------------------------------------------------------------------------------- children
 def child(stack: str, folder: str, n_prompt: int, gen: int, runs: int, options: dict) -> dict:
     prompt = prompt_ids(n_prompt)
-    run = {"ours": run_ours, "mlx-lm stock": run_mlx_lm, "mlx-lm + BLAS": run_mlx_lm, "torch": run_torch,
-           "llama.cpp": run_llama}[stack]  # fmt: skip
+    run = {"ours": run_ours, "ours 8-bit": run_ours, "ours 4-bit": run_ours, "mlx-lm stock": run_mlx_lm,
+           "mlx-lm + BLAS": run_mlx_lm, "torch": run_torch, "llama.cpp": run_llama}[stack]  # fmt: skip
     state = setup(stack, Path(folder), options)
     run(state, prompt[:64], 8)  # warm-up
     results = [run(state, prompt, gen) for _ in range(runs)]
@@ -137,7 +163,7 @@ def child(stack: str, folder: str, n_prompt: int, gen: int, runs: int, options: 
 
 
 def setup(stack: str, folder: Path, options: dict) -> dict:
-    if stack == "ours":
+    if stack in ("ours", *QUANTIZED):
         import zoo_blas
 
         import mlx.core as mx
@@ -146,8 +172,6 @@ def setup(stack: str, folder: Path, options: dict) -> dict:
         kwargs = {"tokenizer": False}
         if options.get("dtype"):
             kwargs["dtype"] = options["dtype"]
-        if options.get("q_bits"):
-            kwargs.update(q_bits=options["q_bits"], q_group_size=64)
         model = models.load(str(folder), **kwargs)
         graph = model.graph
         if options.get("no_relayout"):
@@ -411,7 +435,8 @@ def main() -> None:
                     rows[name] = {"skipped": "llama-cpp-python is not installed (optional)"}
                     continue
                 print(f"  {title}: {name} (round {round_ + 1}/{args.rounds}) ...", flush=True)
-                result = spawn(stack, folder, args, env, options)
+                path = quantized_folder(folder, *QUANTIZED[stack]) if stack in QUANTIZED else folder
+                result = spawn(stack, path, args, env, options)
                 rows[name] = merge(rows.get(name), result)
         if rows:
             text = table(title, rows, "ours (all on)" if args.ablations else "ours", bandwidth, kv_of)

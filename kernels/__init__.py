@@ -122,13 +122,14 @@ def product(x: mx.array, w, scales, biases, group_size: int, bits: int) -> mx.ar
     row blocks through the BLAS; in ``x``'s dtype."""
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
     if rows <= KERNEL_ROWS:
-        return packed_matmul(x, w, scales, biases, group_size, bits).astype(x.dtype)
+        y = packed_matmul(x, w, scales, biases, group_size, bits)
+        return y if y.dtype == x.dtype else y.astype(x.dtype)
     N, K = w.shape[0], x.shape[-1]
     step = max(1, DENSE_BLOCK_BYTES // (4 * K))
-    parts = [
-        x @ packed_dequantize(w[a : a + step], scales[a : a + step], biases[a : a + step], group_size, bits).T.astype(x.dtype)
-        for a in range(0, N, step)
-    ]
+    parts = []
+    for a in range(0, N, step):
+        dense = packed_dequantize(w[a : a + step], scales[a : a + step], biases[a : a + step], group_size, bits)
+        parts.append(x @ (dense if x.dtype == mx.float32 else dense.astype(x.dtype)).T)
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "mlx/allocator.h"
+#include "mlx/backend/common/utils.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/version.h"
 
@@ -299,6 +300,15 @@ static mx::Stream cpu_stream(const char* op, mx::StreamOrDevice s) {
   return stream;
 }
 
+// A weight, scale or bias array as the kernels read it: float32 (or uint32) and row-contiguous.
+// Parameters already evaluated in that layout are taken as they are: a decode step makes ~130
+// products, and each extra graph node costs time on every step.
+static mx::array as_read(const mx::array& a, mx::Dtype dtype, mx::Stream stream) {
+  auto b = mx::astype(a, dtype, stream);
+  if (b.is_available() && b.flags().row_contiguous) return b;
+  return mx::contiguous(b, false, stream);
+}
+
 mx::array packed_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
                         int group_size, int bits, const std::string& isa, mx::StreamOrDevice s) {
   int64_t N, K;
@@ -313,13 +323,11 @@ mx::array packed_matmul(const mx::array& x, const mx::array& w, const mx::array&
   auto stream = cpu_stream("packed_matmul", s);
   auto out_shape = x.shape();
   out_shape.back() = static_cast<int>(N);
-  auto x2 = mx::contiguous(mx::astype(mx::reshape(x, {-1, static_cast<int>(K)}, stream), mx::float32, stream), false, stream);
-  const int M = x2.shape(0);
-  auto f32 = [&](const mx::array& a) { return mx::contiguous(mx::astype(a, mx::float32, stream), false, stream); };
-  auto y = mx::array({M, static_cast<int>(N)}, mx::float32,
-                     std::make_shared<PackedMatmul>(stream, group_size, bits, parse_isa(isa)),
-                     {x2, mx::contiguous(w, false, stream), f32(scales), f32(biases)});
-  return mx::reshape(y, out_shape, stream);
+  // x keeps its shape and strides: eval_cpu reads any layout (and copies only a strided one).
+  return mx::array(std::move(out_shape), mx::float32,
+                   std::make_shared<PackedMatmul>(stream, group_size, bits, parse_isa(isa)),
+                   {mx::astype(x, mx::float32, stream), as_read(w, mx::uint32, stream),
+                    as_read(scales, mx::float32, stream), as_read(biases, mx::float32, stream)});
 }
 
 mx::array packed_dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
@@ -327,10 +335,10 @@ mx::array packed_dequantize(const mx::array& w, const mx::array& scales, const m
   int64_t N, K;
   check_packed("packed_dequantize", w, scales, biases, group_size, bits, N, K);
   auto stream = cpu_stream("packed_dequantize", s);
-  auto f32 = [&](const mx::array& a) { return mx::contiguous(mx::astype(a, mx::float32, stream), false, stream); };
   return mx::array({static_cast<int>(N), static_cast<int>(K)}, mx::float32,
                    std::make_shared<PackedDequantize>(stream, group_size, bits, parse_isa(isa)),
-                   {mx::contiguous(w, false, stream), f32(scales), f32(biases)});
+                   {as_read(w, mx::uint32, stream), as_read(scales, mx::float32, stream),
+                    as_read(biases, mx::float32, stream)});
 }
 
 static PackedWeights weights_of(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
@@ -345,10 +353,19 @@ void PackedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& a : inputs) encoder.set_input_array(a);
   encoder.set_output_array(out);
-  encoder.dispatch([x = x.data<float>(), M = static_cast<int64_t>(x.shape(0)),
-                    p = weights_of(inputs[1], inputs[2], inputs[3], group_size_, bits_), isa = isa_,
-                    y = out.data<float>()]() {
-    if (M > 0 && p.N > 0) run_matmul(x, M, p, isa, y);
+  const auto p = weights_of(inputs[1], inputs[2], inputs[3], group_size_, bits_);
+  const int64_t M = p.K > 0 ? static_cast<int64_t>(x.size()) / p.K : 0;
+  const bool strided = !x.flags().row_contiguous;
+  encoder.dispatch([x = x.data<float>(), M, p, isa = isa_, y = out.data<float>(), strided,
+                    shape = strided ? x.shape() : mx::Shape{}, strides = strided ? x.strides() : mx::Strides{}]() {
+    if (M == 0 || p.N == 0) return;
+    if (!strided) {
+      run_matmul(x, M, p, isa, y);
+      return;
+    }
+    std::vector<float> dense(M * p.K);
+    for (int64_t i = 0; i < M * p.K; ++i) dense[i] = x[mx::elem_to_loc(static_cast<int>(i), shape, strides)];
+    run_matmul(dense.data(), M, p, isa, y);
   });
 }
 
@@ -374,7 +391,9 @@ void PackedDequantize::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 }
 
 std::vector<mx::Shape> PackedMatmul::output_shapes(const std::vector<mx::array>& inputs) {
-  return {{inputs[0].shape(0), inputs[1].shape(0)}};
+  auto shape = inputs[0].shape();
+  shape.back() = inputs[1].shape(0);
+  return {shape};
 }
 
 std::vector<mx::Shape> PackedDequantize::output_shapes(const std::vector<mx::array>& inputs) {
