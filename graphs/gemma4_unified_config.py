@@ -159,3 +159,22 @@ def _part(raw: Mapping[str, Any], key: str, kind):
     if not isinstance(value, Mapping):
         raise ConfigError(f"{OWNER}: {key} must be a JSON object or null, got {type(value).__name__}")
     return kind.from_section(value)
+
+
+ASSISTANT_MODEL_TYPE = "gemma4_unified_assistant"
+
+
+def unified_assistant_config(raw: Mapping[str, Any]):
+    """The 12B's drafter (transformers' ``Gemma4UnifiedAssistantConfig``): a ``gemma4_assistant`` whose
+    ``text_config`` is a ``gemma4_unified_text`` one (the unified defaults) and whose
+    ``backbone_hidden_size`` defaults to 3840; parsed by ``Gemma4AssistantConfig``, which runs it."""
+    from graphs.gemma4_assistant_config import Gemma4AssistantConfig
+
+    if not isinstance(raw, Mapping) or raw.get("model_type") != ASSISTANT_MODEL_TYPE:
+        found = raw.get("model_type") if isinstance(raw, Mapping) else type(raw).__name__
+        raise ConfigError(f"{OWNER}: expected model_type {ASSISTANT_MODEL_TYPE!r}, got {found!r}")
+    text = raw.get("text_config")
+    if not isinstance(text, Mapping) or text.get("model_type", TEXT_MODEL_TYPE) != TEXT_MODEL_TYPE:
+        raise ConfigError(f"{OWNER}: the assistant's text_config must be a {TEXT_MODEL_TYPE} config, got {text!r:.80}")
+    text = {**_TEXT_DEFAULTS, **text, "model_type": "gemma4_text"}
+    return Gemma4AssistantConfig.from_dict({"backbone_hidden_size": 3840, **raw, "model_type": "gemma4_assistant", "text_config": text})

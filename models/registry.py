@@ -107,6 +107,14 @@ def _gemma4_assistant(config: Mapping[str, Any], weight_names: Collection[str]) 
     return Architecture(Gemma4AssistantConfig.from_dict, Gemma4AssistantModel, load_gemma4_assistant_weights)
 
 
+def _gemma4_unified_assistant(config: Mapping[str, Any], weight_names: Collection[str]) -> Architecture:
+    """The Gemma 4 12B's drafter: a ``gemma4_assistant`` with the unified text defaults."""
+    from graphs.gemma4_assistant import Gemma4AssistantModel
+    from graphs.gemma4_unified_config import unified_assistant_config
+
+    return Architecture(unified_assistant_config, Gemma4AssistantModel, load_gemma4_assistant_weights)
+
+
 def _gemma4_text(config: Mapping[str, Any], weight_names: Collection[str]) -> Architecture:
     from graphs.gemma4_text import Gemma4TextModel
     from graphs.gemma4_text_config import Gemma4TextConfig
@@ -219,6 +227,7 @@ ARCHITECTURES: dict[str, Callable[[Mapping[str, Any], Collection[str]], Architec
     "gemma4_assistant": _gemma4_assistant,
     "gemma4_unified": _gemma4_unified,
     "gemma4_unified_text": _gemma4_unified_text,
+    "gemma4_unified_assistant": _gemma4_unified_assistant,
 }
 
 

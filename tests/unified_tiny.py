@@ -147,3 +147,24 @@ def reference_patches(image, budget: int) -> tuple[np.ndarray, np.ndarray]:
     grid = torch.stack(torch.meshgrid(torch.arange(width // 16), torch.arange(height // 16), indexing="xy"), dim=-1).reshape(-1, 2)
     merged, positions = module.patches_merge(teacher[None], grid[None], teacher.shape[0] // 9)
     return merged[0].numpy(), positions[0].numpy()
+
+
+def save_unified_assistant(directory, target: dict = UNIFIED_TEXT, seed: int = 1):
+    """A random ``Gemma4UnifiedAssistantForCausalLM`` for a target of ``target`` (its text config), saved;
+    with the centroid head and a random token ordering (``tests.assistant_tiny``), and the kv heads
+    of the target's layers (the reference groups its query heads by them)."""
+    import torch
+    from transformers import Gemma4UnifiedAssistantConfig, Gemma4UnifiedAssistantForCausalLM
+
+    from tests.assistant_tiny import assistant_text_config
+
+    heads = {k: target[k] for k in ("num_key_value_heads", "attention_k_eq_v", "num_global_key_value_heads") if k in target}
+    text = {k: v for k, v in assistant_text_config(target, **heads).items() if "per_layer_input" not in k}
+    config = Gemma4UnifiedAssistantConfig(text_config=dict(text, model_type="gemma4_unified_text"), backbone_hidden_size=target["hidden_size"],
+                                          use_ordered_embeddings=True, num_centroids=16, centroid_intermediate_top_k=4)  # fmt: skip
+    torch.manual_seed(seed)
+    model = Gemma4UnifiedAssistantForCausalLM(config).eval()
+    with torch.no_grad():
+        model.masked_embedding.token_ordering.copy_(torch.randperm(target["vocab_size"]))
+    model.save_pretrained(directory)
+    return model
