@@ -1,0 +1,123 @@
+"""Helpers of the distributed tests: tiny checkpoints, and launching ranks of ``tests.distributed_rank`` on loopback.
+
+``launch`` runs the ranks the way users do, through ``mlx.launch --backend ring``; ``launch_direct``
+starts each rank itself with the environment ``mlx.launch`` would give it (a ring hostfile and
+``MLX_RANK``), so a fault test can watch every rank's own exit status and stderr (``mlx.launch``
+ends the other ranks itself as soon as one fails). Every launch has a timeout: no test can hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tests import hf_tiny
+
+REPO = Path(__file__).resolve().parents[1]
+
+S, F = hf_tiny.S, hf_tiny.F
+# Small weights: logits of order one, so 1e-5 is a float32 statement.
+SMALL = dict(initializer_range=0.05)
+CONFIGS = {
+    # per-layer inputs and KV sharing in E2B's pattern (S S S S S F S F, the last two reuse 4 and 5)
+    "ple_shared": dict(hf_tiny.TEXT_CONFIGS["E2B_like"], **SMALL),
+    # MoE beside the dense MLP, K=V on the full layer, 4 query heads over 2 (sliding) and 1 (full) kv heads
+    "moe": dict(hf_tiny.TEXT_CONFIGS["T3"], num_attention_heads=4, **SMALL),
+    # sliding + full, biases and an untied head: 4 stages of one layer each fit
+    "dense_untied": dict(hf_tiny.TEXT_CONFIGS["T1_bias_untied"], num_attention_heads=4, num_key_value_heads=2, **SMALL),
+}
+
+
+def save_text(name: str, directory: Path):
+    """``CONFIGS[name]`` saved by transformers into ``directory``; the transformers model."""
+    return hf_tiny.save_causal_lm(CONFIGS[name], directory)
+
+
+def free_ports(count: int) -> int:
+    """The first of ``count`` consecutive free local ports (``mlx.launch --starting-port``)."""
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            start = probe.getsockname()[1]
+        if start + count < 65536 and all(_free(start + i) for i in range(count)):
+            return start
+    raise RuntimeError("no block of free local ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def write_jobs(jobs: list[dict], directory: Path) -> Path:
+    path = directory / "jobs.json"
+    path.write_text(json.dumps(jobs))
+    return path
+
+
+def launch(jobs: list[dict], ranks: int, directory: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``mlx.launch -n ranks --backend ring`` of ``tests.distributed_rank`` over ``jobs``."""
+    launcher = shutil.which("mlx.launch")
+    if launcher is None:
+        raise FileNotFoundError("mlx.launch is not on PATH (it comes with the mlx package)")
+    command = [
+        launcher, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_ports(ranks)),
+        "--python", sys.executable, "-m", "tests.distributed_rank", str(write_jobs(jobs, directory)),
+    ]  # fmt: skip
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+@dataclass
+class Rank:
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+
+def launch_direct(jobs: list[dict], ranks: int, directory: Path, timeout: float = 300) -> list[Rank]:
+    """Each rank started here with a ring hostfile; every rank is waited for (and killed at ``timeout``)."""
+    start = free_ports(ranks)
+    hostfile = directory / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{start + r}"] for r in range(ranks)]))
+    jobs_file = write_jobs(jobs, directory)
+    processes = []
+    for r in range(ranks):
+        env = dict(os.environ, MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile), MLX_WORLD_SIZE=str(ranks))
+        command = [sys.executable, "-m", "tests.distributed_rank", str(jobs_file)]
+        processes.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for process in processes:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            out, err = process.communicate()
+            results.append(Rank(None, out, err))
+            continue
+        results.append(Rank(process.returncode, out, err))
+    return results
+
+
+def results(directory: Path, name: str, ranks: int, launched: subprocess.CompletedProcess | None = None) -> list[dict]:
+    """Every rank's arrays of job ``name`` (a missing file fails with the launch's output)."""
+    out = []
+    for r in range(ranks):
+        path = directory / f"{name}.rank{r}.npz"
+        if not path.exists():
+            log = "" if launched is None else f"\nstdout:\n{launched.stdout[-3000:]}\nstderr:\n{launched.stderr[-3000:]}"
+            raise AssertionError(f"rank {r} wrote no result for job {name!r}{log}")
+        with np.load(path) as data:
+            out.append(dict(data))
+    return out

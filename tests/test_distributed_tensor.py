@@ -1,0 +1,172 @@
+"""Tensor parallelism over real ranks (``mlx.launch --backend ring`` on loopback) against the single process.
+
+One launch of 2 ranks (and one of 4) runs every job of this module (``tests.distributed_rank``);
+each test reads its job's per-rank results. Every rank must hold the same logits, bit for bit
+(they all sample from them). Against the single process, a split only reorders sums, and on
+these float32 models that alone moves logits by up to ~2e-5 (so does swapping the BLAS in one
+process), so where transformers' float64 logits are at hand the rule is: the split model is no
+further from them than the single process is, plus 1e-5 (``assert_logits``). Where they are not
+(images, DiffusionGemma, quantized weights), the split model must be within ``NEAR`` of the single
+process. Greedy generations must be equal token for token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+import models  # noqa: E402
+from models.generation.generate import KVQuantization  # noqa: E402
+from tests import diffusion_tiny, hf_tiny  # noqa: E402
+from tests.distributed_rank import cached_logits, image  # noqa: E402
+from tests.distributed_tiny import launch, results, save_text  # noqa: E402
+
+TOL = 1e-5
+NEAR = 5e-5
+LONG = [2] + [int(t) for t in np.random.default_rng(0).integers(3, 250, 47)]  # 48 positions: the windows (8) wrap
+PROMPT = LONG[:12]
+IMAGE_PROMPT = [2, 10, 11, hf_tiny.T5_TOKENS["image_token_id"], 12, 13, 14]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distributed_tensor")
+    out = {"root": root, "float64": {}}
+    for name in ("ple_shared", "moe", "dense_untied"):
+        hf_model = save_text(name, root / name)
+        out[name] = root / name
+        out["float64"][name] = hf_tiny.float64_logits(hf_model, [LONG])
+    hf_tiny.save_conditional_generation(root / "multimodal")
+    diffusion_tiny.save_diffusion("T7_gqa", root / "diffusion")
+    out.update(multimodal=root / "multimodal", diffusion=root / "diffusion")
+    return out
+
+
+def job(name: str, folder, task: str, out, **fields) -> dict:
+    return dict(name=name, folder=str(folder), mode="tensor", task=task, out=str(out), **fields)
+
+
+KV4 = dict(kv_bits=4, kv_group_size=32, kv_start=0)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(folders):
+    out = folders["root"]
+    jobs = [
+        job("ple_logits", folders["ple_shared"], "logits", out, ids=LONG, chunks=[7, 1, 8]),
+        job("ple_generate", folders["ple_shared"], "generate", out, ids=PROMPT, max_tokens=40, prefill_step=5),
+        job("ple_generate_kv4", folders["ple_shared"], "generate", out, ids=PROMPT, max_tokens=24, prefill_step=5, **KV4),
+        job("moe_columns", folders["moe"], "logits", out, ids=LONG, experts="columns"),
+        job("moe_rows", folders["moe"], "logits", out, ids=LONG, experts="rows"),
+        job("moe_q4", folders["moe"], "logits", out, ids=LONG, q_bits=4),
+        job("image", folders["multimodal"], "image", out, ids=IMAGE_PROMPT, images=[1]),
+        job("diffusion", folders["diffusion"], "diffusion", out, ids=LONG[:14], canvas=LONG[20:28],
+            generate=dict(max_new_tokens=16, max_denoising_steps=4)),
+    ]  # fmt: skip
+    return launch(jobs, 2, out)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(folders):
+    out = folders["root"]
+    jobs = [
+        job("moe_x4", folders["moe"], "logits", out, ids=LONG, experts="columns"),
+        job("moe_rows_x4", folders["moe"], "logits", out, ids=LONG, experts="rows"),
+        job("untied_x4", folders["dense_untied"], "logits", out, ids=LONG),
+    ]
+    return launch(jobs, 4, out)
+
+
+def single(folder, **options):
+    return models.load(str(folder), dtype="float32", tokenizer=False, **options)
+
+
+def worst(a, b) -> float:
+    return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max())
+
+
+def same_on_every_rank(ranks: list[dict], key: str = "full") -> None:
+    for r, got in enumerate(ranks):
+        assert np.array_equal(got[key], ranks[0][key]), f"rank {r}'s {key} differs from rank 0's"
+
+
+def assert_logits(ranks: list[dict], model, float64: np.ndarray, chunks=(7, 1)) -> None:
+    """Uncached and cached (``chunks``) logits of the split model against transformers' float64 ones."""
+    same_on_every_rank(ranks)
+    floor = max(worst(model.logits([LONG]), float64), worst(cached_logits(model, LONG, list(chunks)), float64))
+    assert worst(ranks[0]["full"], float64) <= floor + TOL
+    assert worst(ranks[0]["cached"], float64) <= floor + TOL
+
+
+def test_per_layer_inputs_and_kv_sharing(two_ranks, folders):
+    ranks = results(folders["root"], "ple_logits", 2, two_ranks)
+    assert_logits(ranks, single(folders["ple_shared"]), folders["float64"]["ple_shared"], (7, 1, 8))
+
+
+def test_greedy_generation_over_wrapping_windows(two_ranks, folders):
+    model = single(folders["ple_shared"])
+    want = [c.token for c in model.stream(PROMPT, max_tokens=40, prefill_step_size=5) if c.token is not None]
+    for got in results(folders["root"], "ple_generate", 2, two_ranks):
+        assert got["tokens"].tolist() == want
+
+
+def test_greedy_generation_with_quantized_kv(two_ranks, folders):
+    model = single(folders["ple_shared"])
+    kv = KVQuantization(4, 32, 0)
+    want = [c.token for c in model.stream(PROMPT, max_tokens=24, prefill_step_size=5, kv_quantization=kv) if c.token is not None]
+    for got in results(folders["root"], "ple_generate_kv4", 2, two_ranks):
+        assert got["tokens"].tolist() == want
+
+
+@pytest.mark.parametrize("name", ["moe_columns", "moe_rows"])
+def test_moe_experts_split_by_columns_and_by_rows(two_ranks, folders, name):
+    assert_logits(results(folders["root"], name, 2, two_ranks), single(folders["moe"]), folders["float64"]["moe"])
+
+
+def test_weights_quantized_on_load(two_ranks, folders):
+    ranks = results(folders["root"], "moe_q4", 2, two_ranks)
+    same_on_every_rank(ranks)
+    model = single(folders["moe"], q_bits=4)
+    assert worst(ranks[0]["full"], model.logits([LONG])) < NEAR
+    assert worst(ranks[0]["cached"], cached_logits(model, LONG, [7, 1])) < NEAR
+
+
+def test_image_prompt_with_the_tower_on_rank_0(two_ranks, folders):
+    model = single(folders["multimodal"])
+    prompt = model.prompt(IMAGE_PROMPT, [image(1)], 70)
+    want = np.array(model.logits(prompt))
+    ranks = results(folders["root"], "image", 2, two_ranks)
+    same_on_every_rank(ranks)
+    for got in ranks:
+        assert got["ids"].tolist() == prompt.ids
+    assert worst(ranks[0]["full"], want) < NEAR
+
+
+def test_diffusion_decoder(two_ranks, folders):
+    import mlx.core as mx
+
+    model = single(folders["diffusion"])
+    cache = model.graph.make_cache()
+    model.graph.prefill(mx.array([LONG[:14]]), cache)
+    canvas = mx.array([LONG[20:28]])
+    first = model.graph.denoise(canvas, cache)
+    second = model.graph.denoise(canvas, cache, first)
+    tokens = model.generate(LONG[:14], seed=0, max_new_tokens=16, max_denoising_steps=4).sequences
+    ranks = results(folders["root"], "diffusion", 2, two_ranks)
+    same_on_every_rank(ranks, "second")
+    for got in ranks:
+        assert got["tokens"].tolist() == tokens.tolist()
+    assert worst(ranks[0]["first"], first) < NEAR
+    assert worst(ranks[0]["second"], second) < NEAR
+
+
+@pytest.mark.parametrize("name", ["moe_x4", "moe_rows_x4"])
+def test_four_ranks_moe(four_ranks, folders, name):
+    assert_logits(results(folders["root"], name, 4, four_ranks), single(folders["moe"]), folders["float64"]["moe"])
+
+
+def test_four_ranks_biases_and_untied_head(four_ranks, folders):
+    ranks = results(folders["root"], "untied_x4", 4, four_ranks)
+    assert_logits(ranks, single(folders["dense_untied"]), folders["float64"]["dense_untied"])
