@@ -330,11 +330,10 @@ def make_app(model, engine: Engine, settings: ServerSettings) -> Starlette:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
         collected = Delta()
         watcher = asyncio.ensure_future(until_disconnect(request))
+        watcher.add_done_callback(lambda _: run.cancel())  # a client gone before the answer is whole
         try:
             async for delta, _ in run.deltas():
                 collected.extend(delta)
-                if watcher.done():
-                    run.cancel()
         except APIError as err:
             return error_response(err)
         finally:

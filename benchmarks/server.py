@@ -1,0 +1,174 @@
+"""Our server against ``mlx_lm.server``: throughput and latency at 1, 4 and 16 concurrent clients.
+
+    python -m benchmarks.server                       # the real Gemma 3 270M (float32 folder)
+    python -m benchmarks.server --clients 1 4 --requests 2 --gen 32
+
+Both servers run as subprocesses on the same converted folder (``models.assets.gemma3_270m``) with
+the same BLAS (the project's import hook loads it before MLX in every Python process, mlx-lm's
+included), in float32, greedy, batching up to ``--batch`` requests (``--max-batch`` /
+``--decode-concurrency``). Each client sends ``--requests`` streamed ``/v1/completions`` requests
+one after another, each with its own prompt (random words, ``--prompt`` tokens or so, never
+repeated, so no prompt cache helps either side) and ``max_tokens=--gen``.
+
+Per level: throughput = all completion tokens (as each server's usage reports them) / wall time
+from the first request sent to the last answer received; latency = each request's time to its
+last byte, time to first token = to its first text; p50 and p99 over the level's requests (with a
+few dozen requests p99 is close to the maximum). The servers run one after the other, ours first;
+the machine is a shared 2-core VM, so one run is noisy: read the ratios, not the digits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = ("lighthouse keeper storm harbour lantern rope gull tide island ship captain night wave rock beacon "
+         "fog bell sailor map compass anchor coast cliff wind rain salt boat net fisher dawn").split()  # fmt: skip
+
+
+def prompts(n: int, words: int, seed: int) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    return [f"Story {i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(stack: str, folder: Path, port: int, batch: int, gen: int) -> subprocess.Popen:
+    if stack == "ours":
+        cmd = [sys.executable, "-m", "examples.serve", "--model", str(folder), "--model-id", "m", "--port", str(port),
+               "--max-batch", str(batch), "--max-queue", "256", "--max-tokens", str(gen)]  # fmt: skip
+    else:
+        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(folder), "--port", str(port),
+               "--decode-concurrency", str(batch), "--max-tokens", str(gen), "--log-level", "WARNING"]  # fmt: skip
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_ready(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    import httpx2
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited: {process.stderr.read()[-2000:]}")
+        try:
+            if httpx2.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx2.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not become ready")
+
+
+def one_request(client, model: str, prompt: str, gen: int) -> dict:
+    sent = time.perf_counter()
+    first = None
+    tokens = 0
+    for chunk in client.completions.create(model=model, prompt=prompt, max_tokens=gen, temperature=0.0, stream=True,
+                                           stream_options={"include_usage": True}):  # fmt: skip
+        if chunk.choices and chunk.choices[0].text and first is None:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    done = time.perf_counter()
+    return {"latency": done - sent, "ttft": (first or done) - sent, "tokens": tokens}
+
+
+def level(url: str, model: str, clients: int, requests: int, gen: int, words: int, seed: int) -> dict:
+    import openai
+
+    texts = prompts(clients * requests, words, seed)
+    results: list[dict] = []
+    errors: list[str] = []
+
+    def client(index: int) -> None:
+        api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
+        for r in range(requests):
+            try:
+                results.append(one_request(api, model, texts[index * requests + r], gen))
+            except Exception as err:  # noqa: BLE001 -- reported in the table
+                errors.append(repr(err))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    start_time = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start_time
+    lat = sorted(r["latency"] for r in results)
+    ttft = sorted(r["ttft"] for r in results)
+
+    def pct(values, q):
+        return values[min(len(values) - 1, int(round(q * (len(values) - 1))))] if values else float("nan")
+
+    tokens = sum(r["tokens"] for r in results)
+    return {"clients": clients, "requests": len(results), "errors": errors[:3], "tokens": tokens, "wall_s": wall,
+            "tok_s": tokens / wall, "p50_s": pct(lat, 0.5), "p99_s": pct(lat, 0.99), "ttft_p50_s": pct(ttft, 0.5),
+            "ttft_p99_s": pct(ttft, 0.99), "mean_tokens": statistics.mean(r["tokens"] for r in results) if results else 0}  # fmt: skip
+
+
+def run_stack(stack: str, folder: Path, args) -> list[dict]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = start(stack, folder, port, args.batch, args.gen)
+    try:
+        wait_ready(url, process)
+        model = "m" if stack == "ours" else str(folder)
+        level(url, model, 1, 1, 8, args.words, seed=999)  # warm-up
+        return [level(url, model, c, args.requests, args.gen, args.words, seed=c) for c in args.clients]
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--requests", type=int, default=3, help="requests per client, one after another")
+    p.add_argument("--gen", type=int, default=64, help="max_tokens of each request")
+    p.add_argument("--words", type=int, default=60, help="words per prompt (about 1.3 tokens each)")
+    p.add_argument("--batch", type=int, default=16, help="rows decoded together by either server")
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args()
+
+    from models.assets.gemma3_270m import gemma3_270m_folder
+
+    folder = gemma3_270m_folder()
+    results = {stack: run_stack(stack, folder, args) for stack in ("ours", "mlx_lm.server")}
+    print(f"Gemma 3 270M ({folder.name}), {args.requests} streamed completions per client, ~{args.words} words in, "
+          f"max {args.gen} tokens out, batch {args.batch}; {os.cpu_count()} CPUs (shared)\n")  # fmt: skip
+    print("| clients | stack | requests | tokens | tok/s | latency p50 / p99 s | first token p50 / p99 s | throughput ratio | p50 ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for ours, peer in zip(results["ours"], results["mlx_lm.server"]):
+        for name, row in (("ours", ours), ("mlx_lm.server", peer)):
+            ratio = f"{ours['tok_s'] / peer['tok_s']:.2f}x" if name == "ours" and peer["tok_s"] else ""
+            p50 = f"{peer['p50_s'] / ours['p50_s']:.2f}x" if name == "ours" and ours["p50_s"] else ""
+            print(f"| {row['clients']} | {name} | {row['requests']} | {row['tokens']} | {row['tok_s']:.1f} | "
+                  f"{row['p50_s']:.2f} / {row['p99_s']:.2f} | {row['ttft_p50_s']:.2f} / {row['ttft_p99_s']:.2f} | {ratio} | {p50} |")  # fmt: skip
+            if row["errors"]:
+                print(f"|  | errors | {row['errors']} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
