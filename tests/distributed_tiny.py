@@ -19,9 +19,16 @@ from pathlib import Path
 
 import numpy as np
 
+import models
 from tests import hf_tiny
+from tests.distributed_rank import cached_logits
 
 REPO = Path(__file__).resolve().parents[1]
+# Split models only reorder sums; on these float32 models that alone moves logits by up to ~2e-5
+# (as swapping the BLAS does in one process): see ``assert_logits_of``.
+TOL = 1e-5
+NEAR = 5e-5
+IMAGE_PROMPT = [2, 10, 11, hf_tiny.T5_TOKENS["image_token_id"], 12, 13, 14]
 
 S, F = hf_tiny.S, hf_tiny.F
 # Small weights: logits of order one, so 1e-5 is a float32 statement.
@@ -121,3 +128,25 @@ def results(directory: Path, name: str, ranks: int, launched: subprocess.Complet
         with np.load(path) as data:
             out.append(dict(data))
     return out
+
+
+def single(folder, **options):
+    return models.load(str(folder), dtype="float32", tokenizer=False, **options)
+
+
+def worst(a, b) -> float:
+    return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max())
+
+
+def same_on_every_rank(ranks: list[dict], key: str = "full") -> None:
+    for r, got in enumerate(ranks):
+        assert np.array_equal(got[key], ranks[0][key]), f"rank {r}'s {key} differs from rank 0's"
+
+
+def assert_logits_of(ranks: list[dict], model, float64: np.ndarray, ids: list[int], chunks=(7, 1)) -> None:
+    """The split model's uncached and cached (``chunks``) logits of ``ids`` (each rank's ``full`` and
+    ``cached``) are no further from transformers' float64 logits than the single process's, plus ``TOL``."""
+    same_on_every_rank(ranks)
+    floor = max(worst(model.logits([ids]), float64), worst(cached_logits(model, ids, list(chunks)), float64))
+    assert worst(ranks[0]["full"], float64) <= floor + TOL
+    assert worst(ranks[0]["cached"], float64) <= floor + TOL

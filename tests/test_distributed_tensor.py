@@ -5,7 +5,7 @@ each test reads its job's per-rank results. Every rank must hold the same logits
 (they all sample from them). Against the single process, a split only reorders sums, and on
 these float32 models that alone moves logits by up to ~2e-5 (so does swapping the BLAS in one
 process), so where transformers' float64 logits are at hand the rule is: the split model is no
-further from them than the single process is, plus 1e-5 (``assert_logits``). Where they are not
+further from them than the single process is, plus 1e-5 (``assert_logits_of``). Where they are not
 (images, DiffusionGemma, quantized weights), the split model must be within ``NEAR`` of the single
 process. Greedy generations must be equal token for token.
 """
@@ -17,17 +17,15 @@ import pytest
 
 pytest.importorskip("transformers")
 
-import models  # noqa: E402
 from models.generation.generate import KVQuantization  # noqa: E402
 from tests import diffusion_tiny, hf_tiny  # noqa: E402
 from tests.distributed_rank import cached_logits, image  # noqa: E402
-from tests.distributed_tiny import launch, results, save_text  # noqa: E402
+from tests.distributed_tiny import (  # noqa: E402
+    IMAGE_PROMPT, NEAR, assert_logits_of, launch, results, same_on_every_rank, save_text, single, worst,
+)  # fmt: skip
 
-TOL = 1e-5
-NEAR = 5e-5
 LONG = [2] + [int(t) for t in np.random.default_rng(0).integers(3, 250, 47)]  # 48 positions: the windows (8) wrap
 PROMPT = LONG[:12]
-IMAGE_PROMPT = [2, 10, 11, hf_tiny.T5_TOKENS["image_token_id"], 12, 13, 14]
 
 
 @pytest.fixture(scope="module")
@@ -79,30 +77,9 @@ def four_ranks(folders):
     return launch(jobs, 4, out)
 
 
-def single(folder, **options):
-    return models.load(str(folder), dtype="float32", tokenizer=False, **options)
-
-
-def worst(a, b) -> float:
-    return float(np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max())
-
-
-def same_on_every_rank(ranks: list[dict], key: str = "full") -> None:
-    for r, got in enumerate(ranks):
-        assert np.array_equal(got[key], ranks[0][key]), f"rank {r}'s {key} differs from rank 0's"
-
-
-def assert_logits(ranks: list[dict], model, float64: np.ndarray, chunks=(7, 1)) -> None:
-    """Uncached and cached (``chunks``) logits of the split model against transformers' float64 ones."""
-    same_on_every_rank(ranks)
-    floor = max(worst(model.logits([LONG]), float64), worst(cached_logits(model, LONG, list(chunks)), float64))
-    assert worst(ranks[0]["full"], float64) <= floor + TOL
-    assert worst(ranks[0]["cached"], float64) <= floor + TOL
-
-
 def test_per_layer_inputs_and_kv_sharing(two_ranks, folders):
     ranks = results(folders["root"], "ple_logits", 2, two_ranks)
-    assert_logits(ranks, single(folders["ple_shared"]), folders["float64"]["ple_shared"], (7, 1, 8))
+    assert_logits_of(ranks, single(folders["ple_shared"]), folders["float64"]["ple_shared"], LONG, (7, 1, 8))
 
 
 def test_greedy_generation_over_wrapping_windows(two_ranks, folders):
@@ -122,7 +99,7 @@ def test_greedy_generation_with_quantized_kv(two_ranks, folders):
 
 @pytest.mark.parametrize("name", ["moe_columns", "moe_rows"])
 def test_moe_experts_split_by_columns_and_by_rows(two_ranks, folders, name):
-    assert_logits(results(folders["root"], name, 2, two_ranks), single(folders["moe"]), folders["float64"]["moe"])
+    assert_logits_of(results(folders["root"], name, 2, two_ranks), single(folders["moe"]), folders["float64"]["moe"], LONG)
 
 
 def test_weights_quantized_on_load(two_ranks, folders):
@@ -164,9 +141,9 @@ def test_diffusion_decoder(two_ranks, folders):
 
 @pytest.mark.parametrize("name", ["moe_x4", "moe_rows_x4"])
 def test_four_ranks_moe(four_ranks, folders, name):
-    assert_logits(results(folders["root"], name, 4, four_ranks), single(folders["moe"]), folders["float64"]["moe"])
+    assert_logits_of(results(folders["root"], name, 4, four_ranks), single(folders["moe"]), folders["float64"]["moe"], LONG)
 
 
 def test_four_ranks_biases_and_untied_head(four_ranks, folders):
     ranks = results(folders["root"], "untied_x4", 4, four_ranks)
-    assert_logits(ranks, single(folders["dense_untied"]), folders["float64"]["dense_untied"])
+    assert_logits_of(ranks, single(folders["dense_untied"]), folders["float64"]["dense_untied"], LONG)
