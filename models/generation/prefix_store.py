@@ -6,31 +6,40 @@ that can be restored exactly, prefills only ``prompt[r:]``, and stores what this
 
 What is kept and what is recomputed:
 
-- Full-attention layers keep every position, so the caches at any ``r`` are the first ``r`` rows of
-  a longer prompt's. An entry keeps its prompt's rows as pieces shared with the entry it was
-  restored from (requests behind one long system prompt hold its rows once).
-- Sliding layers keep only the window's history: the caches at ``r`` need the ``window - 1``
-  positions before ``r``, which a stored prompt whose windows wrapped past ``r`` no longer holds.
-  So during a prefill each sliding layer's history is recorded at every chunk boundary
-  (``models.generation.prompts.prefill_chunks``, never inside an image), and at the prompt's end
-  all it stores (up to ``window - 1 + slack + step`` positions, so that one end serves a range of
-  ``r``). A request is restored at the furthest recorded position within its common prefix (never
-  inside an image, and never at the last prompt position: its logits are needed) and the rest is
-  recomputed: at most one chunk past the common prefix's last boundary, usually less.
+- Kept: every layer's rows that a prefill computed, as compact copies in the storage the cache
+  held them (sliding layers too: after each chunk, every row of it the sliding cache stores; a
+  chunk up to ``window - 1 + slack`` long is stored whole). An entry shares the rows before its
+  restore point with the entry it restored from, so requests behind one long system prompt hold
+  its rows once.
+- Restored at ``r``: full layers get rows ``[0, r)``; sliding layers the history a cache keeps at
+  ``r`` (its newest ``window - 1 + slack`` rows before ``r``), taken from those rows, so a restore
+  is exact at any position, however far the stored prompt's windows wrapped past it.
+- Recomputed: the prompt from ``r`` on. With ``aligned`` (the default) ``r`` is the furthest of the
+  new prompt's own chunk ends (``models.generation.prompts.prefill_chunks`` with its
+  ``prefill_step_size``) within the common prefix, so the tail is fed in exactly the chunks a fresh
+  prefill feeds it in and the result is a fresh prefill's bit for bit (the tests find a difference
+  of 0.0 on the CPU); at most one chunk of the common prefix is recomputed. With
+  ``aligned=False`` ``r`` is the common prefix itself (moved to an image's start if it falls inside
+  one); the tail's first chunk then starts elsewhere than a fresh prefill's, and the logits differ
+  as another chunking's do (rounding: up to 3e-5 on a tiny random E2B-shaped model). Either way
+  ``r`` stays below the last prompt position (its logits are the result), and a restore never
+  needs a sliding row that the cache dropped before it was recorded (a ``prefill_step_size`` above
+  ``window - 1 + slack``: then an earlier ``r``).
 - Quantized KV (``kv_quantization``): a cache switches to quantized storage after the first chunk
-  ending at or past ``start``; the positions before attended in full precision. A restore is made
-  only where a fresh prefill of the new prompt would hold the same storage: after the stored
-  prompt's switch if the new prompt switches at the same chunk end (same bits and group size),
-  or before any switch at one of the new prompt's own chunk boundaries (so its tail switches
-  where a fresh prefill would). Elsewhere the store recomputes from an earlier position.
+  ending at or past ``start``; the positions before attended in full precision, and from then on
+  every stored row is quantized (the recorded full-precision rows are dropped and the quantized
+  ones the caches hold recorded instead). A restore is made only where a fresh prefill of the new
+  prompt holds the same storage: after the stored prompt's switch if the new prompt switches at
+  the same chunk end (same bits and group size), or before any switch at one of the new prompt's
+  own chunk ends (``models.generation.prompts.prefill_chunks``), so that its tail switches where a
+  fresh prefill would. Elsewhere nothing is restored.
 
 Images: each image's features are hashed (SHA-256 of their bytes); two prompts share a prefix only
 through images with equal hashes at equal positions. KV-shared views follow their donors.
 
-The store keeps what its entries reference (full-layer pieces and sliding checkpoints, compact
-copies, each counted once) within ``max_bytes``, evicting the least recently used entries; an
-entry whose prompt is a prefix of a newer one that restored everything it held is dropped as
-redundant. ``stats`` counts hits, misses, reused tokens, bytes, entries and evictions. One store
+The store keeps the rows its entries reference (each counted once) within ``max_bytes``, evicting
+the least recently used entries; an entry whose prompt is a prefix of a newer one that restores
+every position it restores is dropped as redundant. ``stats`` counts hits, misses, reused tokens, bytes, entries and evictions. One store
 serves one model; it is not thread-safe (the batch generator's thread drives it).
 """
 
@@ -44,7 +53,7 @@ from typing import NamedTuple
 import mlx.core as mx
 import numpy as np
 
-from cache import SharedView, cache_from_state, owning_caches
+from cache import owning_caches
 
 from models.checks import check_token_ids
 from models.generation.chat import image_safe_prefix
@@ -86,52 +95,35 @@ def _same_digest(old: _Image, new: _Image) -> bool:
     return old.digest == new.digest
 
 
-class _Piece:
-    """Full-layer rows of positions ``[start, end)``: per full layer, its key and value planes."""
+class _Rows:
+    """One layer's stored rows of positions ``[start, end)``: compact copies of its key and value
+    planes as the cache stored them (quantized planes for quantized storage)."""
 
-    def __init__(self, start: int, end: int, planes: dict[int, tuple]):
-        self.start, self.end, self.planes = start, end, planes
-        self.nbytes = sum(p.nbytes for keys, values in planes.values() for p in keys + values)
-
-
-class _Checkpoint:
-    """Sliding-layer history at ``position``: per sliding layer, its state holding the stored rows
-    ``[position - rows, position)`` (``rows`` at least the window's history)."""
-
-    def __init__(self, position: int, states: dict[int, dict]):
-        self.position, self.states = position, states
-        self.nbytes = sum(p.nbytes for s in states.values() for p in (s["keys"] or ()) + (s["values"] or ()))
-
-    def lowest(self) -> int:
-        """The lowest position this checkpoint restores: every layer must still hold its window's
-        history there (a layer that holds everything from position 0 serves any position)."""
-        low = 0
-        for state in self.states.values():
-            first = self.position - _rows(state)
-            if first > 0:
-                low = max(low, first + state["window"] - 1)
-        return low
+    def __init__(self, start: int, end: int, keys: tuple, values: tuple):
+        self.start, self.end, self.keys, self.values = start, end, keys, values
+        self.nbytes = sum(p.nbytes for p in keys + values)
 
 
 @dataclass
 class _Entry:
     ids: np.ndarray
     images: tuple[_Image, ...]
-    pieces: list[tuple[_Piece, int]]  # (piece, stop): rows [piece.start, min(piece.end, stop)), in order
-    checkpoints: list[_Checkpoint]  # ascending positions
-    templates: dict[int, dict]  # full layer -> its state's settings
-    layers: list[tuple[str, object]]  # layer_states with the arrays dropped: kinds and views
+    layers: list[tuple[str, object]]  # per layer ("own", its state's settings) or ("view", donor index)
+    rows: dict[int, list[tuple[_Rows, int]]]  # owning layer -> (rows, stop): positions [rows.start, min(rows.end, stop))
     switched_at: int | None  # position after which the caches were quantized (None: never)
     kv: tuple | None  # (bits, group_size) once switched
-    objects: list = field(default_factory=list)  # pieces and checkpoints it holds (for the byte count)
+    reach: list[tuple[int, int]] = field(default_factory=list)  # the positions it restores: [low, high] runs
+
+    def objects(self) -> dict[int, _Rows]:
+        return {id(rows): rows for runs in self.rows.values() for rows, _ in runs}
 
 
 class PrefixStore:
     """Cache snapshots of earlier prompts, reused by ``prefill`` (module docstring)."""
 
-    def __init__(self, max_bytes: int = 1 << 30):
+    def __init__(self, max_bytes: int = 1 << 30, aligned: bool = True):
         check_positive_int("max_bytes", max_bytes)
-        self.max_bytes = int(max_bytes)
+        self.max_bytes, self.aligned = int(max_bytes), bool(aligned)
         self.stats = PrefixStoreStats()
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next = 0
@@ -160,28 +152,30 @@ class PrefixStore:
         fresh_switch = None if quant is None else next((e for e in ends if e >= quant.start), None)
 
         found, r = self._lookup(ids, images, prompt, ends, fresh_switch, quant)
+        rows: dict[int, list[tuple[_Rows, int]]] = {}
+        switched_at = None
         if found is not None:
             self._entries.move_to_end(self._key_of(found))
             cache[:] = self._restore(found, r)
             self.stats.hits += 1
             self.stats.reused_tokens += r
+            rows = {i: [(run, min(stop, r)) for run, stop in runs if run.start < min(stop, r)] for i, runs in found.rows.items()}
+            switched_at = found.switched_at if _quantized(cache) else None
         else:
             self.stats.misses += 1
-        switched_at = found.switched_at if found is not None and _quantized(cache) else None
 
-        # The restored history is recorded too: the next request behind the same prefix restores here.
-        checkpoints = [_checkpoint(cache, r, history_only=True)] if r else []
         logits = None
         tail = prompt.suffix(r)
         for start, end in prefill_chunks(len(tail), tail.images, prefill_step_size):
             inside = [s.shifted(-start) for s in tail.images if start <= s.start < end]
             logits = prefill(model.forward, tail.ids[start:end], cache, end - start, inside, kv_quantization)
             if switched_at is None and _quantized(cache):
-                switched_at = r + end
-            if r + end < len(ids):
-                checkpoints.append(_checkpoint(cache, r + end, history_only=True))
-        checkpoints.append(_checkpoint(cache, len(ids), history_only=False))
-        self._insert(found, r, ids, images, cache, checkpoints, switched_at, quant)
+                # Every stored row is quantized now: what was recorded in full precision no longer matches.
+                switched_at, rows = r + end, {}
+                _record(rows, cache, 0)
+            else:
+                _record(rows, cache, r + start)
+        self._insert(found, r, ids, images, cache, rows, switched_at, quant)
         return PrefixReuse(logits, r)
 
     def _check(self, model, prompt, cache, step) -> None:
@@ -213,24 +207,26 @@ class PrefixStore:
             differ = np.flatnonzero(entry.ids[:n] != ids[:n])
             common = int(differ[0]) if differ.size else n
             common = image_safe_prefix(min(common, len(ids) - 1), entry.images, images, _same_digest)
-            for r in self._candidates(entry, common, prompt, ends):
+            for r in self._candidates(entry, common, prompt, ends, self.aligned):
                 if r > best_r and self._valid(entry, r, prompt, ends, fresh_switch, quant):
                     best, best_r = entry, r
                     break
         return best, best_r
 
     @staticmethod
-    def _candidates(entry: _Entry, common: int, prompt: Prompt, ends: list[int]) -> list[int]:
-        """Positions up to ``common`` that ``entry`` restores, furthest first: the furthest position
-        each checkpoint serves, and the new prompt's chunk ends and image starts within its range."""
+    def _candidates(entry: _Entry, common: int, prompt: Prompt, ends: list[int], aligned: bool) -> list[int]:
+        """Positions up to ``common`` that ``entry`` restores, furthest first: the new prompt's chunk
+        ends within each run of restorable positions, and unless ``aligned`` the furthest position
+        of each run and the image starts within it."""
         found = set()
-        for point in entry.checkpoints:
-            low, high = max(point.lowest(), 1), min(point.position, common)
+        for low, high in entry.reach:
+            high = min(high, common)
             if high < low:
                 continue
-            found.add(high)
             found.update(e for e in ends if low <= e <= high)
-            found.update(s.start for s in prompt.images if low <= s.start <= high)
+            if not aligned:
+                found.add(high)
+                found.update(s.start for s in prompt.images if low <= s.start <= high)
         return sorted(found, reverse=True)
 
     @staticmethod
@@ -238,61 +234,44 @@ class PrefixStore:
         if any(s.start < r < s.end for s in prompt.images):
             return False
         if entry.switched_at is not None and entry.switched_at > r:
-            return False  # the full layers' rows before r are stored quantized, a fresh prefill holds them in full precision
+            return False  # the rows before r are stored quantized, a fresh prefill holds them in full precision
         if entry.switched_at is not None:  # quantized at r: the new prompt must switch at the same chunk end
             return quant is not None and entry.kv == (quant.bits, quant.group_size) and fresh_switch == entry.switched_at
         # full precision at r: the tail must switch (if at all) where a fresh prefill would
         return fresh_switch is None or (r < fresh_switch and r in ends)
 
-    def _restore(self, entry: _Entry, r: int) -> list:
-        """The cache list at position ``r`` from ``entry``'s pieces and a checkpoint serving ``r``."""
-        point = next(p for p in reversed(entry.checkpoints) if p.lowest() <= r <= p.position)
+    @staticmethod
+    def _restore(entry: _Entry, r: int) -> list:
+        """The cache list at position ``r``: full layers get rows ``[0, r)``, sliding layers as much
+        of the history before ``r`` as they keep (``window - 1 + slack``) and the entry holds."""
         layers = []
         for i, (kind, value) in enumerate(entry.layers):
             if kind == "view":
                 layers.append((kind, value))
-            elif i in point.states:
-                state = point.states[i]
-                first = point.position - _rows(state)
-                keep = max(first, r - (state["window"] - 1 + state["slack"]))
-                planes = {side: _rows_of(state[side], keep - first, r - first) for side in ("keys", "values")}
-                layers.append(("own", {**state, **planes, "offset": r, "ends_in_image": None}))
-            else:
-                planes = {
-                    side: _concat([_rows_of(piece.planes[i][j], 0, min(piece.end, stop, r) - piece.start)
-                                   for piece, stop in entry.pieces if piece.start < min(stop, r)])
-                    for j, side in enumerate(("keys", "values"))
-                }  # fmt: skip
-                layers.append(("own", {**entry.templates[i], **planes, "offset": r, "ends_in_image": None}))
+                continue
+            runs = [(run, min(stop, r)) for run, stop in entry.rows[i] if run.start < min(stop, r)]
+            first = _covered_from(runs, r)
+            if value.get("window") is not None:
+                first = max(first, r - (value["window"] - 1 + value["slack"]))
+            parts = [(run, max(first, run.start), stop) for run, stop in runs if stop > first]
+            planes = {
+                side: tuple(
+                    mx.concatenate([getattr(run, side)[j][..., a - run.start : b - run.start, :] for run, a, b in parts], axis=2)
+                    for j in range(len(getattr(parts[0][0], side)))
+                )
+                for side in ("keys", "values")
+            }
+            layers.append(("own", {**value, **planes, "offset": r, "ends_in_image": None}))
         return caches_from_layer_states(layers)
 
     # ----------------------------------------------------------------------------------- insert
-    def _insert(self, found, r, ids, images, cache, checkpoints, switched_at, quant) -> None:
+    def _insert(self, found, r, ids, images, cache, rows, switched_at, quant) -> None:
         if found is not None and found.images == images and np.array_equal(found.ids, ids) and found.switched_at == switched_at:
             return  # this very prompt is stored (and was just touched)
-        states = layer_states(cache)
-        full = {i: v for i, (kind, v) in enumerate(states) if kind == "own" and v.get("window") is None}
-        inherit = found is not None and found.switched_at == switched_at
-        pieces: list[tuple[_Piece, int]] = []
-        start = 0
-        if inherit:
-            pieces = [(piece, min(stop, r)) for piece, stop in found.pieces if piece.start < min(stop, r)]
-            start = r
-            checkpoints = [p for p in found.checkpoints if p.position <= r] + checkpoints
-        planes = {i: tuple(_copy_rows(v[side], start, len(ids)) for side in ("keys", "values")) for i, v in full.items()}
-        pieces.append((_Piece(start, len(ids), planes), len(ids)))
-        entry = _Entry(
-            ids=ids,
-            images=images,
-            pieces=pieces,
-            checkpoints=checkpoints,
-            templates={i: _settings(v) for i, v in full.items()},
-            layers=[(kind, v if kind == "view" else None) for kind, v in states],
-            switched_at=switched_at,
-            kv=None if switched_at is None else (quant.bits, quant.group_size),
-        )
-        entry.objects = [p for p, _ in pieces] + checkpoints
-        if sum(o.nbytes for o in entry.objects) > self.max_bytes:
+        layers = [(kind, v if kind == "view" else _settings(v)) for kind, v in layer_states(cache)]
+        entry = _Entry(ids, images, layers, rows, switched_at, None if switched_at is None else (quant.bits, quant.group_size))
+        entry.reach = _reach(entry)
+        if sum(run.nbytes for run in entry.objects().values()) > self.max_bytes:
             self.stats.too_large += 1
             return
         for key, old in list(self._entries.items()):
@@ -308,21 +287,74 @@ class PrefixStore:
         return next(k for k, e in self._entries.items() if e is entry)
 
     def _count(self) -> int:
-        held = {id(o): o.nbytes for e in self._entries.values() for o in e.objects}
+        held = {k: run.nbytes for e in self._entries.values() for k, run in e.objects().items()}
         self.stats.entries, self.stats.bytes = len(self._entries), sum(held.values())
         return self.stats.bytes
 
 
+def _record(rows: dict, cache: list, start: int) -> None:
+    """Append to ``rows`` each owning layer's stored rows of the positions from ``start`` on (a
+    sliding layer may no longer hold the first of them: a chunk longer than it keeps)."""
+    for i, (kind, state) in enumerate(layer_states(cache)):
+        if kind != "own" or state["keys"] is None:
+            continue
+        stored = int(state["keys"][0].shape[2])
+        first = state["offset"] - stored
+        a = max(start, first)
+        if a >= state["offset"]:
+            continue
+        planes = {
+            side: tuple(mx.array(p[..., a - first :, :]) for p in state[side]) for side in ("keys", "values")
+        }  # compact copies: a slice would pin the cache's buffer, and its next in-place write would copy it
+        mx.eval(planes)
+        run = _Rows(a, state["offset"], planes["keys"], planes["values"])
+        rows.setdefault(i, []).append((run, run.end))
+
+
+def _intervals(runs) -> list[tuple[int, int]]:
+    """The maximal ``[a, b)`` position intervals ``runs`` cover."""
+    merged: list[list[int]] = []
+    for run, stop in sorted(runs, key=lambda x: x[0].start):
+        a, b = run.start, min(run.end, stop)
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return [(a, b) for a, b in merged]
+
+
+def _covered_from(runs, r: int) -> int:
+    """The first position of the covered interval that ends at ``r``."""
+    return next(a for a, b in _intervals(runs) if a < r <= b)
+
+
+def _reach(entry: _Entry) -> list[tuple[int, int]]:
+    """The positions ``r >= 1`` at which ``entry`` restores every layer, as ``[low, high]`` runs: a
+    full layer needs its rows ``[0, r)``, a sliding layer of window W its rows ``[r - W + 1, r)``."""
+    reach = [(1, len(entry.ids))]
+    for i, (kind, settings) in enumerate(entry.layers):
+        if kind == "view":
+            continue
+        window = settings.get("window")
+        layer = []
+        for a, b in _intervals(entry.rows.get(i, [])):
+            if a == 0:
+                layer.append((1, b))
+            elif window is not None and a + window - 1 <= b:
+                layer.append((a + window - 1, b))
+        reach = [(max(lo, x), min(hi, y)) for lo, hi in reach for x, y in layer if max(lo, x) <= min(hi, y)]
+    return reach
+
+
 def _subsumed(old: _Entry, new: _Entry) -> bool:
-    """``old``'s prompt is a prefix of ``new``'s and ``new`` restores every position ``old`` restores
-    (a checkpoint at each of ``old``'s positions, serving at least the same range)."""
+    """``old``'s prompt is a prefix of ``new``'s and ``new`` restores every position ``old`` restores."""
     n = len(old.ids)
     return (
         n <= len(new.ids)
         and np.array_equal(old.ids, new.ids[:n])
         and old.images == tuple(i for i in new.images if i.start < n)
         and old.switched_at == new.switched_at
-        and all(any(q.position == p.position and q.lowest() <= p.lowest() for q in new.checkpoints) for p in old.checkpoints)
+        and all(any(x <= lo and hi <= y for x, y in new.reach) for lo, hi in old.reach)
     )
 
 
@@ -330,44 +362,5 @@ def _quantized(cache: list) -> bool:
     return any(c.codec.quantized for c in owning_caches(cache))
 
 
-def _rows(state: dict) -> int:
-    return 0 if state["keys"] is None else int(state["keys"][0].shape[2])
-
-
-def _rows_of(planes, start: int, stop: int):
-    return None if planes is None else tuple(p[..., start:stop, :] for p in planes)
-
-
-def _copy_rows(planes, start: int, stop: int):
-    """Rows ``[start, stop)`` as compact arrays of their own (a slice would pin the cache's buffer
-    and make its next in-place write copy it)."""
-    if planes is None:
-        return None
-    out = tuple(mx.array(p[..., start:stop, :]) for p in planes)
-    mx.eval(out)
-    return out
-
-
-def _concat(parts: list):
-    parts = [p for p in parts if p is not None]
-    if not parts:
-        return None
-    return tuple(mx.concatenate(group, axis=2) for group in zip(*parts))
-
-
 def _settings(state: dict) -> dict:
     return {k: v for k, v in state.items() if k not in ("keys", "values", "offset", "geometry", "ends_in_image")}
-
-
-def _checkpoint(cache: list, position: int, history_only: bool) -> _Checkpoint:
-    """The sliding layers' stored rows at ``position`` (only the window's history with ``history_only``)."""
-    states = {}
-    for i, (kind, state) in enumerate(layer_states(cache)):
-        if kind != "own" or state.get("window") is None:
-            continue
-        rows = _rows(state)
-        keep = min(rows, state["window"] - 1) if history_only else rows
-        states[i] = {**_settings(state), **{
-            side: _copy_rows(state[side], rows - keep, rows) if keep else None for side in ("keys", "values")
-        }}  # fmt: skip
-    return _Checkpoint(position, states)
