@@ -24,7 +24,13 @@ The last logits of the two prefills are compared too (mlx-vlm is a secondary ora
 case that only checks numbers: the image prefilled after the text was cached (a chat's later turn),
 where mlx-vlm 0.7.10 drops the bidirectional overlay (its mask overlay needs a square mask).
 
+``--quality`` instead measures our quantized weights on the same checkpoint and prompt: KL(fp32 ||
+quantized) per position over the whole prompt (teacher forcing, no cache), mean and max, and top-1
+agreement, for 8 and 4 bits (group 64) under the default policy (vision embedder kept in full
+precision) and with ``quantize_vision``.
+
     python -m benchmarks.gemma4_unified_vs_mlx_vlm --mlx-vlm-path /tmp/mlxvlm [--runs 3]
+    python -m benchmarks.gemma4_unified_vs_mlx_vlm --quality
 """
 
 from __future__ import annotations
@@ -100,12 +106,63 @@ def cell(values: list[float], scale: float = 1.0, unit: str = " s") -> str:
     return f"{statistics.median(values):.3g}{unit} [{min(values):.3g}-{max(values):.3g}]"
 
 
+def inputs(model):
+    """The benchmark's photo-like image (640x480) and 30 s clip, processed by ``model``."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    ys, xs = np.mgrid[0:480, 0:640]
+    photo = np.clip(np.stack([xs / 2.5, ys / 1.9, (xs + ys) % 200], -1) + rng.normal(0, 20, (480, 640, 3)), 0, 255).astype(np.uint8)
+    t = np.arange(30 * 16_000) / 16_000
+    clip = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+    images = {budget: model.process_images([photo], budget)[0] for budget in (280, 1120)}
+    (audio,) = model.process_audio([clip])
+    (short,) = model.process_audio([clip[: 5 * 16_000]])
+    return images, audio, short
+
+
+def chat_prompt(model, image, clip):
+    """Text, the image and the clip: the prompt whose prefill and decode are timed."""
+    return model.prompt([2, 1, 2, 3, IMAGE, 4, 5, AUDIO, 6, 7, 8] + list(range(20, 60)), images=[image], audio=[clip])
+
+
+def quality(path: Path) -> None:
+    import numpy as np
+
+    import models  # before mlx.core (loads the BLAS)
+    import mlx.core as mx
+    from weights.quantize import QuantizationPolicy
+
+    def log_softmax(x):
+        x = np.asarray(x, dtype=np.float64)[0]
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+    full = models.load(str(path), tokenizer=False)
+    images, _, short = inputs(full)
+    reference = log_softmax(full.logits(chat_prompt(full, images[280], short)))
+    print("| weights | KL mean (max), nats | top-1 agreement |\n|---|---|---|\n| float32 | 0 | 1 |")
+    for bits in (8, 4):
+        for vision in (False, True):
+            model = models.load(str(path), tokenizer=False, q_policy=QuantizationPolicy(bits, 64, quantize_vision=vision))
+            mine = log_softmax(model.logits(chat_prompt(model, images[280], short)))
+            kl = (np.exp(reference) * (reference - mine)).sum(-1)
+            top1 = float((reference.argmax(-1) == mine.argmax(-1)).mean())
+            what = f"{bits}-bit g64" + (", vision embedder too" if vision else "")
+            print(f"| {what} | {kl.mean():.4f} ({kl.max():.4f}) | {top1:.3f} |", flush=True)
+            del model
+            mx.clear_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--mlx-vlm-path", help="a folder holding the mlx_vlm package")
+    parser.add_argument("--quality", action="store_true", help="KL of our 8- and 4-bit weights to fp32 instead of timings")
     args = parser.parse_args()
     path = build_checkpoint()
+    if args.quality:
+        return quality(path)
     if args.mlx_vlm_path:
         sys.path.append(args.mlx_vlm_path)
 
@@ -122,14 +179,7 @@ def main() -> None:
     theirs = load_model(path)
     mx.eval(theirs.parameters())
 
-    rng = np.random.default_rng(0)
-    ys, xs = np.mgrid[0:480, 0:640]
-    photo = np.clip(np.stack([xs / 2.5, ys / 1.9, (xs + ys) % 200], -1) + rng.normal(0, 20, (480, 640, 3)), 0, 255).astype(np.uint8)
-    t = np.arange(30 * 16_000) / 16_000
-    clip = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
-    images = {budget: ours.process_images([photo], budget)[0] for budget in (280, 1120)}
-    (audio,) = ours.process_audio([clip])
-    (short,) = ours.process_audio([clip[: 5 * 16_000]])
+    images, audio, short = inputs(ours)
 
     def theirs_image(image):
         out = theirs.get_image_features(mx.array(image.patches)[None], mx.array(image.position_ids)[None])
@@ -153,7 +203,7 @@ def main() -> None:
         times, ratio = alternate(args.runs, mine, peer)
         print(f"| {name} | {cell(times['ours'])} | {cell(times['mlx-vlm'])} | {ratio:.2f}x | max diff {diff:.1e} |", flush=True)
 
-    prompt = ours.prompt([2, 1, 2, 3, IMAGE, 4, 5, AUDIO, 6, 7, 8], images=[images[280]], audio=[short])
+    prompt = chat_prompt(ours, images[280], short)
     ids = mx.array([prompt.ids])
     kinds = np.zeros(len(prompt.ids), np.int32)
     kinds[np.array(prompt.ids) == IMAGE], kinds[np.array(prompt.ids) == AUDIO] = 1, 3

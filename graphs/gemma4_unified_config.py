@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from graphs.config import POSITIVE_FLOAT, POSITIVE_INT, TOKEN_ID, ConfigError, read_fields, section
-from graphs.gemma4_audio_config import MediaTokenIds, media_token_ids
-from graphs.gemma4_multimodal_config import ImageTokenIds
+from graphs.gemma4_audio_config import media_token_ids
+from graphs.gemma4_multimodal_config import Gemma4MultimodalConfig, ImageTokenIds
 from graphs.gemma4_text_config import Gemma4TextConfig
 
 OWNER = "Gemma4UnifiedConfig"
@@ -111,16 +111,13 @@ def unified_text_config(raw: Mapping[str, Any]) -> Gemma4TextConfig:
 
 
 @dataclass(frozen=True)
-class Gemma4UnifiedConfig:
-    """Text decoder, the media embedders present (None when the config has no such part) and the
-    ids that place images, video frames and audio clips in a prompt."""
+class Gemma4UnifiedConfig(Gemma4MultimodalConfig):
+    """Gemma 4's multimodal config with the unified parts: the text decoder, the media embedders
+    present (None when the config has no such part) and the ids that place images, video frames
+    and audio clips in a prompt. ``vision_bidirectional`` here means every layer (the graph's mask)."""
 
-    text: Gemma4TextConfig
     vision: Gemma4UnifiedVisionConfig | None
-    audio: Gemma4UnifiedAudioConfig | None
-    image_tokens: ImageTokenIds
-    media_tokens: MediaTokenIds
-    pad_token_id: int  # media positions are embedded as this token before their features overwrite them
+    audio: Gemma4UnifiedAudioConfig | None = None
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "Gemma4UnifiedConfig":
@@ -136,19 +133,13 @@ class Gemma4UnifiedConfig:
         pad = (raw.get("text_config") or {}).get("pad_token_id", 0)
         if not TOKEN_ID.accepts(pad) or pad >= text.vocab_size:
             raise ConfigError(f"{OWNER}: text_config.pad_token_id must be an id below {text.vocab_size}, got {pad!r}")
+        outside = {name: value for name, value in ids.items() if value >= text.vocab_size}
+        if outside:
+            raise ConfigError(f"{OWNER}: {outside} must be ids below the vocabulary size {text.vocab_size}")
         placeholders = {"image_token_id": image_tokens.image, "video_token_id": media_tokens.video, "audio_token_id": media_tokens.audio}
         if len(set(placeholders.values())) != 3 or {image_tokens.boi, image_tokens.eoi} & set(placeholders.values()):
             raise ConfigError(f"{OWNER}: the media placeholders {placeholders} must differ from each other and from boi/eoi")
-        return cls(text, vision, audio, image_tokens, media_tokens, pad)
-
-    @property
-    def max_position_embeddings(self) -> int:
-        return self.text.max_position_embeddings
-
-    @property
-    def vision_bidirectional(self) -> bool:
-        """Image and video-frame spans attend both ways on every layer (``use_bidirectional_attention == "vision"``)."""
-        return self.text.use_bidirectional_attention == "vision"
+        return cls(text=text, vision=vision, image_tokens=image_tokens, pad_token_id=pad, media_tokens=media_tokens, audio=audio)
 
 
 def _part(raw: Mapping[str, Any], key: str, kind):

@@ -26,12 +26,13 @@ import models  # noqa: E402
 from cache import MediaSplitError, Read  # noqa: E402
 from graphs.config import ConfigError  # noqa: E402
 from graphs.gemma4_unified_config import Gemma4UnifiedConfig, unified_text_config  # noqa: E402
-from models.generation.prompts import Prompt, prefill_chunks  # noqa: E402
+from models.generation.prompts import Prompt  # noqa: E402
 from models.media import AudioNotSupportedError, VideoNotSupportedError  # noqa: E402
 from models.registry import UnsupportedModelError  # noqa: E402
 from tests import quant_tiny as qt  # noqa: E402
 from tests.hf_tiny import read_config, read_safetensors  # noqa: E402
 from tests.media_tiny import synthetic_clip  # noqa: E402
+from tests.test_gemma4_multimodal import chunked_logits  # noqa: E402
 from tests.test_gemma4_video import synthetic_video  # noqa: E402
 from tests.unified_tiny import AUDIO, IMAGE, UNIFIED_TEXT, VIDEO, hf_inputs, save_unified_model  # noqa: E402
 
@@ -158,11 +159,8 @@ def test_mixed_media_cached_in_chunks_and_decoded(pair):
     whole = np.array(model.logits(Prompt(prompt.ids + tail, prompt.images)))
     assert worst(whole, want) < TOL
     for step in (5, 50):
-        cache, pieces = model.make_cache(), []
-        for start, end in prefill_chunks(len(prompt.ids), prompt.images, step):
-            inside = [s.features for s in prompt.images if start <= s.start < end]
-            extra = {"image_features": mx.concatenate(inside)} if inside else {}
-            pieces.append(np.array(model.forward(mx.array([prompt.ids[start:end]]), cache, **extra)))
+        cache = model.make_cache()
+        pieces = [chunked_logits(model, prompt, step, cache)]
         for token in tail:  # decode steps after the media prefill
             pieces.append(np.array(model.forward(mx.array([[token]]), cache)))
         assert worst(np.concatenate(pieces, axis=1), whole) < TOL

@@ -139,16 +139,22 @@ def test_checkpoint_settings_are_read_and_checked(tmp_path):
 
 
 # --------------------------------------------------------------------------------------- real assets
-@pytest.mark.slow
-@pytest.mark.parametrize("budget", SUPPORTED_SOFT_TOKEN_BUDGETS)
-def test_real_photos_equal_the_reference(budget):
+def fetched(what: str, names=None) -> dict:
+    """The cached real assets (``models.assets``): ``what`` is "photos" or "media"; skip when they cannot be downloaded."""
     from models.assets.fetch import AssetFetchError
+    from models.assets.media import fetch_media
     from models.assets.photos import fetch_photos
 
     try:
-        photos = fetch_photos()
+        return fetch_photos() if what == "photos" else fetch_media(names)
     except AssetFetchError as exc:
-        pytest.skip(f"could not download the photo wheels: {exc}")
+        pytest.skip(f"could not download the {what}: {exc}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", SUPPORTED_SOFT_TOKEN_BUDGETS)
+def test_real_photos_equal_the_reference(budget):
+    photos = fetched("photos")
     assert len(photos) >= 17
     for name, path in sorted(photos.items()):
         assert_same_as_reference(Image.open(path), budget, f"{name} @ {budget}")
@@ -161,13 +167,9 @@ def test_real_videos_equal_the_reference(budget):
 
     from transformers.video_utils import default_sample_indices_fn, read_video_pyav
 
-    from models.assets.fetch import AssetFetchError
-    from models.assets.media import VIDEO_FILES, fetch_media
+    from models.assets.media import VIDEO_FILES
 
-    try:
-        paths = fetch_media(VIDEO_FILES)
-    except AssetFetchError as exc:
-        pytest.skip(f"could not download the videos: {exc}")
+    paths = fetched("media", VIDEO_FILES)
     for name, path in paths.items():
         ours = unified_video_processor(None, 16, 3).process(str(path), max_soft_tokens=budget)
         frames, metadata = read_video_pyav(str(path), partial(default_sample_indices_fn, num_frames=32))
@@ -178,13 +180,9 @@ def test_real_videos_equal_the_reference(budget):
 
 @pytest.mark.slow
 def test_a_real_recording_in_six_containers():
-    from models.assets.fetch import AssetFetchError
-    from models.assets.media import AUDIO_FILES, fetch_media
+    from models.assets.media import AUDIO_FILES
 
-    try:
-        paths = fetch_media(AUDIO_FILES)
-    except AssetFetchError as exc:
-        pytest.skip(f"could not download the recordings: {exc}")
+    paths = fetched("media", AUDIO_FILES)
     processor = Gemma4UnifiedAudioProcessor()
     assert processor.process(str(paths["lena.wav"])).num_soft_tokens == 307  # 12.27 s at 40 ms per token
     for name, path in paths.items():
