@@ -93,8 +93,9 @@ class Rank:
     stderr: str
 
 
-def launch_direct(jobs: list[dict], ranks: int, directory: Path, timeout: float = 300) -> list[Rank]:
-    """Each rank started here with a ring hostfile; every rank is waited for (and killed at ``timeout``)."""
+def launch_direct(jobs: list[dict], ranks: int, directory: Path, timeout: float = 300, rest: float | None = None) -> list[Rank]:
+    """Each rank started here with a ring hostfile; rank 0 is waited for up to ``timeout`` seconds,
+    each other rank up to ``rest`` more (default ``timeout``), then killed."""
     start = free_ports(ranks)
     hostfile = directory / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{start + r}"] for r in range(ranks)]))
@@ -105,9 +106,9 @@ def launch_direct(jobs: list[dict], ranks: int, directory: Path, timeout: float 
         command = [sys.executable, "-m", "tests.distributed_rank", str(jobs_file)]
         processes.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
-    for process in processes:
+    for r, process in enumerate(processes):
         try:
-            out, err = process.communicate(timeout=timeout)
+            out, err = process.communicate(timeout=timeout if r == 0 or rest is None else rest)
         except subprocess.TimeoutExpired:
             process.kill()
             out, err = process.communicate()

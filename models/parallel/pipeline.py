@@ -40,19 +40,19 @@ MIN_MICRO_BATCH = 32
 
 
 def stage_bounds(text, size: int) -> list[int]:
-    """``[0, b1, ..., L]``: rank r runs layers ``[b_r, b_{r+1})``; an even split whose boundaries
-    stay at or before the first KV donor (every KV-shared layer on its donor's rank). Raises
-    ``ValueError`` (the reason) when ``size`` stages do not fit."""
+    """``[0, b1, ..., L]``: rank r runs layers ``[b_r, b_{r+1})``. An even split, unless its last
+    boundary falls after the first KV donor: then the layers from that donor on are the last stage
+    (every KV-shared layer on its donor's rank) and the others share the layers before it evenly.
+    Raises ``ValueError`` (the reason) when ``size`` stages do not fit."""
     L = text.num_hidden_layers
     limit = min(text.kv_donors.values()) if text.num_kv_shared_layers else L - 1
     if size - 1 > limit:
         shared = f" (layers {limit}-{L - 1} share keys and values, so they form one stage)" if text.num_kv_shared_layers else ""
         raise ValueError(f"{L} layers give at most {limit + 1} stages{shared}")
-    bounds = [0]
-    for k in range(1, size):
-        bound = min(round(k * L / size), limit - (size - 1 - k))
-        bounds.append(max(bound, bounds[-1] + 1))
-    return bounds + [L]
+    if round((size - 1) * L / size) <= limit:
+        return [round(k * L / size) for k in range(size + 1)]
+    # The shared tail [limit, L) is the last stage; the others split the layers before it evenly.
+    return [round(k * limit / (size - 1)) for k in range(size)] + [L]
 
 
 class Elsewhere(nn.Module):

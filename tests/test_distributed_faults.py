@@ -1,0 +1,70 @@
+"""Failures of a split model: no rank hangs, every rank says what went wrong.
+
+Each rank is started here (``tests.distributed_tiny.launch_direct``, the environment ``mlx.launch``
+gives a ring rank) so that every rank's own exit status and stderr can be read: a rank that dies
+mid-generation (SIGKILL) or stops answering (SIGSTOP) makes rank 0 exit with ``RankLostError``
+(status ``EXIT_RANK_LOST``) within a bounded time, and ranks holding different checkpoints or
+plans refuse to start with ``ParallelSetupError`` naming the ranks and what differs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from models.parallel import EXIT_RANK_LOST  # noqa: E402
+from tests.distributed_tiny import launch_direct, save_text  # noqa: E402
+
+PROMPT = [2] + list(range(10, 30))
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("distributed_faults")
+    for name in ("ple_shared", "moe"):
+        save_text(name, root / name)
+    return root
+
+
+def generation(folders, mode: str, **fields) -> dict:
+    return dict(name="generate", folder=str(folders / "ple_shared"), mode=mode, task="generate", out=str(folders),
+                ids=PROMPT, max_tokens=200, prefill_step=8, **fields)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_a_rank_killed_mid_generation_ends_the_others_with_a_named_error(folders, mode, tmp_path):
+    start = time.monotonic()
+    survivor, victim = launch_direct([generation(folders, mode, die_after=3, timeout=60)], 2, tmp_path, timeout=120)
+    assert victim.returncode == -9
+    assert survivor.returncode == EXIT_RANK_LOST, survivor.stderr[-2000:]
+    assert "RankLostError: rank 0 of 2" in survivor.stderr and "another rank is gone" in survivor.stderr
+    assert time.monotonic() - start < 90
+
+
+def test_a_rank_that_stops_answering_trips_the_watchdog(folders, tmp_path):
+    survivor, victim = launch_direct([generation(folders, "tensor", die_after=3, stall=True, timeout=5)], 2, tmp_path,
+                                     timeout=120, rest=5)  # fmt: skip
+    assert victim.returncode is None  # stopped, killed by the test
+    assert survivor.returncode == EXIT_RANK_LOST, survivor.stderr[-2000:]
+    assert "no answer from the other ranks for 5 s during a generation step" in survivor.stderr
+
+
+def test_ranks_with_different_checkpoints_refuse_to_start(folders, tmp_path):
+    job = dict(name="logits", folders=[str(folders / "ple_shared"), str(folders / "moe")], mode="tensor", task="logits",
+               out=str(folders), ids=PROMPT)  # fmt: skip
+    for rank in launch_direct([job], 2, tmp_path, timeout=120):
+        assert rank.returncode == 2, rank.stderr[-2000:]
+        assert "ParallelSetupError" in rank.stderr
+        assert "rank 1 on" in rank.stderr and "holds a different checkpoint" in rank.stderr
+
+
+def test_ranks_with_different_plans_refuse_to_start(folders, tmp_path):
+    job = dict(name="logits", folder=str(folders / "moe"), mode="tensor", task="logits", out=str(folders), ids=PROMPT,
+               experts_per_rank=["columns", "rows"])  # fmt: skip
+    for rank in launch_direct([job], 2, tmp_path, timeout=120):
+        assert rank.returncode == 2, rank.stderr[-2000:]
+        assert "rank 1 on" in rank.stderr and "runs a different plan" in rank.stderr
+        assert ('"experts": "columns"' in rank.stderr) != ('"experts": "rows"' in rank.stderr)  # each rank states its own
