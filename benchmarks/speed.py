@@ -18,7 +18,7 @@ mean decode position). Stacks:
 
 - ``ours``: ``models.load`` + ``models.generation.generate.generate_tokens``, out of the box (the fast BLAS
   preload, ``dtype="auto"``, the head layout, the compiled decode pieces);
-- ``ours 8-bit`` / ``ours 4-bit``: the same on a pre-quantized folder (8-bit g64; 4-bit g64 layers
+- ``ours 8-bit`` / ``ours 4-bit``: the same on a pre-quantized folder (8-bit g64; 4-bit g32 layers
   with an 8-bit embedding and tied head, the shape of llama.cpp's Q4_K_M with its Q8_0 embedding),
   written once by ``models.convert`` (the 270M: the zoo's ``gemma-3-270m-8bit`` / ``-4bit``), run
   through the packed kernels (``kernels``), the CPU default for quantized weights;
@@ -44,8 +44,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STACKS = ("ours", "ours 8-bit", "ours 4-bit", "mlx-lm stock", "mlx-lm + BLAS", "torch", "llama.cpp")
-# Our quantized rows: stack -> (bits, embedding bits), on a folder from quantized_folder().
-QUANTIZED = {"ours 8-bit": (8, 8), "ours 4-bit": (4, 8)}
+# Our quantized rows: stack -> (bits, group size, embedding bits), on a folder from quantized_folder()
+# (for the 270M the zoo's gemma-3-270m-8bit / -4bit, made with the same settings).
+QUANTIZED = {"ours 8-bit": (8, 64, 8), "ours 4-bit": (4, 32, 8)}
 # name -> (stack, extra environment, child options); the ablations run on the 270M only.
 ABLATIONS = {
     "ours (all on)": ("ours", {}, {}),
@@ -84,20 +85,20 @@ def gemma4_folder() -> Path:
 MODELS = {"gemma3": ("Gemma 3 270M (real weights)", gemma3_folder), "gemma4": ("Gemma 4 E2B-shaped (random)", gemma4_folder)}
 
 
-def quantized_folder(folder: Path, bits: int, embed_bits: int) -> Path:
-    """``folder`` quantized (group 64, ``embed_bits`` for the embeddings and tied head) by
-    ``models.convert``, once, beside it; the 270M's is the zoo's own folder."""
+def quantized_folder(folder: Path, bits: int, group_size: int, embed_bits: int) -> Path:
+    """``folder`` quantized (``embed_bits`` for the embeddings and tied head) by ``models.convert``,
+    once, beside it; the 270M's is the zoo's own folder."""
     from models.assets.gemma3_270m import gemma3_270m_folder
     from models.zoo import ZOO
 
     if folder == gemma3_270m_folder():
         return ZOO[f"gemma-3-270m-{bits}bit"]()
-    out = folder.with_name(f"{folder.name}-{bits}bit-g64-e{embed_bits}")
+    out = folder.with_name(f"{folder.name}-{bits}bit-g{group_size}-e{embed_bits}")
     if not (out / "config.json").is_file():
         from models.convert import convert
         from weights.quantize import QuantizationPolicy
 
-        convert(str(folder), out, q_policy=QuantizationPolicy(bits, 64, embed_bits=embed_bits))
+        convert(str(folder), out, q_policy=QuantizationPolicy(bits, group_size, embed_bits=embed_bits))
     return out
 
 

@@ -37,7 +37,7 @@ ZOO: dict[str, Callable[[], Path]] = {
     "gemma-3-270m": _gemma3_270m,
     # Quantized from it (docs/quantization.md has their quality, docs/speed.md their speed).
     "gemma-3-270m-8bit": partial(_gemma3_270m_quantized, 8, 64, 8),
-    "gemma-3-270m-4bit": partial(_gemma3_270m_quantized, 4, 64, 8),
+    "gemma-3-270m-4bit": partial(_gemma3_270m_quantized, 4, 32, 8),
 }
 
 
