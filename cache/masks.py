@@ -97,3 +97,13 @@ def draft(q_start: int, L: int, k_start: int, T: int, window: int | None):
         return None
     kpos = mx.arange(k_start, k_start + T)[None, :]
     return mx.broadcast_to(kpos >= q_start - window - 1, (L, T))
+
+
+def filled(position: mx.array, size: int) -> mx.array:
+    """Decode over a fixed buffer of ``size`` slots written at ``position % size``, the position an
+    array (one compiled step serves every token): the slots that hold a key, ``[size]`` booleans.
+
+    Slot ``i`` holds a key once ``i <= position``; a sliding layer's ring of ``window`` slots is then
+    exactly the keys in ``(position - window, position]``.
+    """
+    return mx.arange(size) <= position
