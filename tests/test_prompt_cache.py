@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -99,6 +100,23 @@ def test_gemma3_and_moe_caches_round_trip(tmp_path):
         loaded = load_prompt_cache(tmp_path / f"{name}.cache", model)
         step = mx.array([[5, 6, 7]])
         assert float(mx.max(mx.abs(model.forward(step, loaded.cache) - model.forward(step, original)))) == 0.0
+
+
+def test_images_travel_with_the_cache(tmp_path):
+    hf_tiny.save_conditional_generation(tmp_path / "mm")
+    model = models.load(str(tmp_path / "mm"), tokenizer=False)
+    photo = np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    placeholder = hf_tiny.T5_TOKENS["image_token_id"]
+    prompt = model.prompt([2, 10, 11, placeholder, *range(20, 40)], images=[photo], max_soft_tokens=70)
+    original = model.make_cache()
+    prefill(model.forward, prompt.ids, original, 6, prompt.images)
+    save_prompt_cache(tmp_path / "mm.safetensors", model, original, prompt.ids, images=prompt.images)
+    loaded = load_prompt_cache(tmp_path / "mm.safetensors", model)
+    (span,), (want,) = loaded.images, prompt.images
+    assert (span.start, span.end) == (want.start, want.end) and span.features is loaded.image_features[0]
+    assert mx.array_equal(span.features, want.features)
+    step = mx.array([[5, 6, 7]])
+    assert float(mx.max(mx.abs(model.forward(step, loaded.cache) - model.forward(step, original)))) == 0.0
 
 
 # ----------------------------------------------------------------------------------------- chat
@@ -251,9 +269,13 @@ def test_another_model_or_layout_is_refused(saved, t2_folder, tmp_path):
 
 
 def test_a_copied_checkpoint_folder_is_the_same_model(saved, t2_folder, tmp_path):
-    """The fingerprint is the files' content, not their place."""
+    """The fingerprint is the checkpoint files' content, not their place; a prompt cache saved in
+    the folder is not part of the weights."""
     copy = shutil.copytree(t2_folder, tmp_path / "copy")
-    assert load_prompt_cache(saved, models.load(str(copy), tokenizer=False)).tokens == IDS
+    model = models.load(str(copy), tokenizer=False)
+    save_prompt_cache(copy / "chat.safetensors", model, filled(model), IDS)
+    assert load_prompt_cache(saved, model).tokens == IDS
+    assert load_prompt_cache(copy / "chat.safetensors", model).tokens == IDS
 
 
 def test_save_refuses_a_cache_that_is_not_the_models(t2, chat_model, tmp_path):

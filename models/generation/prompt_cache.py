@@ -30,8 +30,7 @@ from mlx.utils import tree_flatten
 from cache import CacheSpec, SharedView, cache_from_state, check_caches
 from cache.spec import kind_family
 from weights import read_config
-from weights.resolve import folder_file
-from weights.safetensors_io import check_safetensors_file
+from weights.safetensors_io import check_safetensors_file, checkpoint_files
 
 from models.checks import check_token_ids
 from models.generation.prompts import ImageSpan
@@ -98,19 +97,17 @@ _weights_digests: dict[tuple, str] = {}
 
 
 def weights_digest(folder: Path) -> str:
-    """An identity of the checkpoint's weights files in ``folder``: each ``*.safetensors`` file's name,
-    size, header (every tensor's name, dtype, shape and offsets) and ``SAMPLES`` samples of its data.
+    """An identity of the checkpoint's weights files in ``folder`` (``model.safetensors`` or the
+    index's shards; a prompt cache saved beside them is not one): each file's name, size, header
+    (every tensor's name, dtype, shape and offsets) and ``SAMPLES`` samples of its data.
 
     Hashing whole files would take a minute on a 30B checkpoint; the samples tell apart two
     checkpoints of one architecture with different weights (fine-tunes and random draws differ
     everywhere), and an edit confined to bytes between samples goes unseen. Kept per file state
     (size, modification time) for the process."""
     digest = hashlib.sha256()
-    files = sorted(p.name for p in Path(folder).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{folder} holds no .safetensors files to identify the model's weights")
-    for name in files:
-        path = folder_file(Path(folder), name)
+    files, _ = checkpoint_files(Path(folder))
+    for name, path in sorted(files.items()):
         stat = path.stat()
         key = (str(path), stat.st_size, stat.st_mtime_ns)
         if key not in _weights_digests:
