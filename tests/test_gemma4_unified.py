@@ -347,3 +347,21 @@ def test_quantized_kv_caches_read_media(release, bits, bound):
         rows.append(model.forward(mx.array([[token]]), cache)[0])
     kl, _, top1 = qt.kl_and_top1(want, mx.concatenate(rows))
     assert kl < bound and top1 >= 0.75
+
+
+def test_batched_rows_with_media_equal_each_alone(release):
+    """``models.generation.batch``: requests with an image, a clip and none, decoded together, each
+    sampling as it does alone (its own seed)."""
+    from models.generation.batch import BatchGenerator, BatchRequest
+    from models.generation.generate import SamplingOptions
+
+    _, _, model, _ = release
+    prompts = [
+        model.prompt([2, 30, IMAGE, 31], images=model.process_images([photo_like(100, 150, 0)], max_soft_tokens=70)),
+        model.prompt([2, 30, AUDIO, 31, 32, 33], audio=[synthetic_clip(0.5)]),
+        model.prompt([2, 50, 51, 52]),
+    ]
+    options = [SamplingOptions(temp=1.0, seed=i) for i in range(3)]
+    alone = [[c.token for c in model.stream(p, max_tokens=12, sampling=o) if c.token is not None] for p, o in zip(prompts, options)]
+    together = BatchGenerator(model, max_batch=3).run([BatchRequest(p, max_tokens=12, sampling=o) for p, o in zip(prompts, options)])
+    assert [list(t) for t in together] == alone and len({tuple(a) for a in alone}) == 3
