@@ -220,7 +220,10 @@ def apply_quantized_policy(graph: nn.Module) -> str | None:
         packed, leaves = _packed_layers(graph, leaves)
         notes.append(f"{packed} packed with float32 scales ({why})")
         if leaves:  # layers the kernels do not take (MoE experts, other bit widths or modes)
-            choice, why = _memory_rule(graph, leaves)
+            if zoo_switches.value(QUANT_SWITCH) == "packed":  # asked for: every layer stays packed
+                choice, why = "fp32-scales", f"{QUANT_SWITCH}=packed; no kernel for these: MLX's quantized matmul"
+            else:
+                choice, why = _memory_rule(graph, leaves)
     if leaves and choice == "dequantize":
         for path, module in leaves:
             _set_module(graph, path, _dequantized(module))

@@ -78,13 +78,17 @@ def test_auto_takes_the_kernels_and_an_explicit_packed_without_them_is_refused(f
     assert any("packed 4/8-bit kernels off: not built at install time: no compiler" in n for n in fallback.device_notes)
 
 
-def test_layers_the_kernels_do_not_take_follow_the_memory_rule(folders):
-    """3-bit layers have no kernel: dequantized to float32, said beside the packed (8-bit) embedding."""
-    policy = QuantizationPolicy(3, 32, embed_bits=8)
-    model = _load(folders / "gemma3", "packed", 0, 0, q_policy=policy)
+@pytest.mark.parametrize("policy,rest", [("auto", "dequantized to float32"), ("packed", "kept packed with float32 scales")])
+def test_layers_the_kernels_do_not_take(folders, policy, rest):
+    """3-bit layers have no kernel: under ``auto`` the memory rule (dequantized), under ``packed``
+    kept packed (MLX's quantized matmul); said beside the packed (8-bit) embedding."""
+    q_policy = QuantizationPolicy(3, 32, embed_bits=8)
+    model = _load(folders / "gemma3", policy, 0, 0, q_policy=q_policy)
     assert isinstance(model.graph.embed_tokens, kernels.PackedEmbedding)
-    assert [type(m) for _, m in precision._quantized_leaves(model.graph)] == [kernels.PackedEmbedding]
-    assert any("quantized layers: 1 packed" in n and "dequantized to float32" in n for n in model.device_notes)
+    left = [type(m) for _, m in precision._quantized_leaves(model.graph)]
+    assert left[0] is kernels.PackedEmbedding and all(t is nn.QuantizedLinear for t in left[1:])
+    assert len(left) == (1 if policy == "auto" else 1 + 6 * 7)
+    assert any("quantized layers: 1 packed" in n and rest in n for n in model.device_notes)
     ids = qt.token_ids(1, 8, 256)
-    want = _load(folders / "gemma3", "as-stored", 0, 0, q_policy=policy).logits(ids)
+    want = _load(folders / "gemma3", "as-stored", 0, 0, q_policy=q_policy).logits(ids)
     assert qt.max_relative_difference(model.logits(ids), want) < 1e-4
