@@ -10,6 +10,10 @@ the conversation (--prompt-cache FILE resumes one at start and saves it on exit;
 be used is refused by name and the chat goes on as it was); /quit (or Ctrl-D) leaves. A message the
 model refuses (past its context) is not kept, and the chat goes on. Flags follow mlx-lm's spelling
 where they overlap; bad values and an unwritable --transcript are refused before the model loads.
+
+Across machines (docs/distributed.md): ``mlx.launch --hosts h1,h2 --backend ring --python python3 -m
+examples.chat --model ... --parallel tensor|pipeline`` splits the model over the ranks; rank 0 chats,
+the others follow its turns.
 """
 
 from __future__ import annotations
@@ -57,7 +61,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="speculative decoding: a Gemma 4 assistant (gemma4_assistant) for a Gemma 4 --model, or any "
                         "zoo model with the same tokenizer; the output is the same, --verbose reports the acceptance")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens drafted per target step (1-16; default 4)")
+    add_parallel_args(p)
     return p.parse_args(argv)
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    """``--parallel``: split the model over the ranks ``mlx.launch`` started (``models.parallel``)."""
+    from models.parallel import DEFAULT_STEP_TIMEOUT, MODES
+
+    p.add_argument("--parallel", choices=MODES, default=None,
+                   help="split the model over the ranks of mlx.launch: tensor (every layer's heads and columns) or "
+                        "pipeline (consecutive layers per rank); rank 0 talks, the others follow (docs/distributed.md)")
+    p.add_argument("--rank-timeout", type=float, default=DEFAULT_STEP_TIMEOUT, metavar="SECONDS",
+                   help="with --parallel: how long one step may wait on the other ranks before every rank stops")  # fmt: skip
 
 
 def add_generation_args(p: argparse.ArgumentParser) -> None:
@@ -151,7 +167,19 @@ def check_args(args: argparse.Namespace) -> str | None:
         return flag_error(err)
     transcript = getattr(args, "transcript", None)
     problem = check_writable(transcript, "--transcript") if transcript else None
-    return problem or check_prompt_cache_flag(args)
+    return problem or check_prompt_cache_flag(args) or check_parallel_flags(args)
+
+
+def check_parallel_flags(args: argparse.Namespace) -> str | None:
+    """Why ``--parallel`` cannot go with the other flags, or None."""
+    if getattr(args, "parallel", None) is None:
+        return None
+    if not getattr(args, "rank_timeout", 1) > 0:
+        return f"--rank-timeout {args.rank_timeout}: must be > 0 seconds"
+    for flag in ("draft_model", "prompt_cache"):
+        if getattr(args, flag, None):
+            return f"--{flag.replace('_', '-')} does not work with --parallel (each rank holds only part of the model)"
+    return None
 
 
 def check_prompt_cache_flag(args: argparse.Namespace) -> str | None:
@@ -223,12 +251,13 @@ def make_session(model, args: argparse.Namespace) -> ChatSession | None:
 
 def load_model(args: argparse.Namespace):
     """The model, or None after printing why it cannot be loaded (not available, not a checkpoint, damaged)."""
+    sharding = getattr(args, "sharding", None)
     try:
-        model = models.load(args.model, dtype=args.dtype, q_bits=args.q_bits, q_group_size=args.q_group_size)
+        model = models.load(args.model, dtype=args.dtype, q_bits=args.q_bits, q_group_size=args.q_group_size, sharding=sharding)
     except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
-    if getattr(args, "verbose", False):
+    if getattr(args, "verbose", False) and (sharding is None or sharding.rank == 0):
         print(f"[{describe_setup(model)}]", file=sys.stderr, flush=True)
     return model
 
@@ -346,6 +375,11 @@ def main(argv=None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    return in_parallel(args, chat)
+
+
+def chat(args: argparse.Namespace, ranks=None) -> int:
+    """The chat (or one answer) of ``main``; with ``--parallel`` on every rank (``in_parallel``)."""
     model = load_model(args)
     if model is None:
         return 2
@@ -355,6 +389,10 @@ def main(argv=None) -> int:
     session = make_session(model, args)
     if session is None:
         return 2
+    if ranks is not None:
+        session = ranks.session(session)
+        if session is None:
+            return 0
     if not session.uses_chat_template:  # said once: a base model's answers read as continuations
         print(f"[{args.model} has no chat template: it continues your text rather than chatting "
               "(--chat-template PATH gives it one)]", file=sys.stderr, flush=True)  # fmt: skip
@@ -364,6 +402,60 @@ def main(argv=None) -> int:
     if args.prompt_cache and not conversation_file(session, "save", args.prompt_cache):
         return code or 1
     return code
+
+
+class Ranks:
+    """``--parallel``: the ranks ``mlx.launch`` started, as the examples use them."""
+
+    def __init__(self, args: argparse.Namespace):
+        from models import parallel
+        from models.parallel.session import shared_seed
+
+        self.group = parallel.init()
+        if self.group.size() < 2:
+            raise parallel.ParallelSetupError(
+                f"--parallel {args.parallel} needs two or more ranks; start it with mlx.launch, e.g. "
+                "mlx.launch --hosts h1,h2 --backend ring --python python3 -m examples.chat --parallel tensor ..."
+            )
+        self.rank, self.timeout, self.lead = self.group.rank(), args.rank_timeout, None
+        options = {name: getattr(args, name, None) for name in ("dtype", "q_bits", "q_group_size")}
+        args.sharding = parallel.sharding_for(args.parallel, self.group, options)
+        args.seed = shared_seed(self.group, args.seed)  # every rank samples the same tokens
+
+    def session(self, session):
+        """Rank 0's session, sharing each turn; None on the other ranks once they have followed rank 0's turns to its end."""
+        from models.parallel import Watchdog
+        from models.parallel.session import LeadSession, follow
+
+        watchdog = Watchdog(self.group, self.timeout)
+        if self.rank == 0:
+            self.lead = LeadSession(session, self.group, watchdog)
+            return self.lead
+        follow(session, self.group, watchdog)
+        return None
+
+
+def in_parallel(args: argparse.Namespace, run) -> int:
+    """``run(args)``, or with ``--parallel`` ``run(args, ranks)`` on every rank: a lost rank or ranks that
+    disagree end every rank with a named error (exit status ``EXIT_RANK_LOST`` or 2)."""
+    if getattr(args, "parallel", None) is None:
+        return run(args)
+    from models import parallel
+    from models.parallel.session import RanksDisagreeError
+
+    try:
+        ranks = Ranks(args)
+        with parallel.rank_errors(ranks.group):
+            code = run(args, ranks)
+            if ranks.lead is not None:
+                ranks.lead.close()
+        return code
+    except parallel.ParallelSetupError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except (parallel.RankLostError, RanksDisagreeError) as err:
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return parallel.EXIT_RANK_LOST
 
 
 def conversation_file(session: ChatSession, action: str, path: str) -> bool:

@@ -13,7 +13,9 @@ from typing import Any, Mapping
 
 import mlx.core as mx
 
-from models.parallel.runtime import EXIT_RANK_LOST, ParallelSetupError, RankLostError, Watchdog, init, rank_errors
+from models.parallel.runtime import (
+    DEFAULT_STEP_TIMEOUT, EXIT_RANK_LOST, ParallelSetupError, RankLostError, Watchdog, init, rank_errors,
+)  # fmt: skip
 from models.parallel.sharding import Sharding
 from models.parallel.tensor import EXPERT_MODES, TensorParallel
 
@@ -36,6 +38,7 @@ def sharding_for(
 
 
 __all__ = [
+    "DEFAULT_STEP_TIMEOUT",
     "EXIT_RANK_LOST",
     "EXPERT_MODES",
     "MODES",

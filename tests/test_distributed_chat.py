@@ -1,0 +1,70 @@
+"""``mlx.launch -n 2 --backend ring --python python3 -m examples.chat --parallel tensor|pipeline`` on loopback.
+
+A tiny random Gemma 4 (per-layer inputs and KV sharing, the real 262,144-token vocabulary and the
+real Gemma 4 tokenizer and chat template) chats over two ranks: rank 0 reads the turns from
+stdin (``mlx.launch`` hands stdin to every rank; only rank 0 reads it), the other rank follows,
+and what rank 0 prints must be what the single-process chat prints for the same turns.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from models.assets.gemma4_tokenizer import gemma4_tokenizer_dir  # noqa: E402
+from tests.distributed_tiny import REPO, free_ports  # noqa: E402
+from tests.hf_tiny import BASE, F, S, save_causal_lm  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+CONFIG = dict(
+    BASE, vocab_size=262144, vocab_size_per_layer_input=262144, hidden_size_per_layer_input=8, num_hidden_layers=6,
+    layer_types=[S, S, F, S, S, F], num_kv_shared_layers=2, sliding_window=8, final_logit_softcapping=30.0,
+    initializer_range=0.05,
+)  # fmt: skip
+TURNS = "Hi there\n/reset\nHello, how are you?\nAnd then?\n/quit\n"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-gemma4-chat")
+    save_causal_lm(CONFIG, folder, seed=1)
+    for item in gemma4_tokenizer_dir().iterdir():
+        shutil.copy(item, folder / item.name)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106, 50]}))
+    return folder
+
+
+def chat_command(folder) -> list[str]:
+    return ["-m", "examples.chat", "--model", str(folder), "--max-tokens", "12", "--prefill-step-size", "16"]
+
+
+@pytest.fixture(scope="module")
+def single_process(checkpoint):
+    return subprocess.run([sys.executable, *chat_command(checkpoint)], input=TURNS, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_rank_0_chats_as_the_single_process_does(checkpoint, single_process, mode):
+    launcher = shutil.which("mlx.launch")
+    command = [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports(2)), "--python", sys.executable,
+               *chat_command(checkpoint), "--parallel", mode]  # fmt: skip
+    ran = subprocess.run(command, input=TURNS, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert single_process.returncode == 0, single_process.stderr[-2000:]
+    assert "Node with rank" not in ran.stderr, ran.stderr[-3000:]  # mlx.launch warns about a rank that failed
+    assert ran.stdout == single_process.stdout
+    assert ran.stdout.count("[history cleared]") == 1 and ran.stdout.count(">> ") == 5
+
+
+def test_parallel_needs_several_ranks(checkpoint):
+    ran = subprocess.run([sys.executable, *chat_command(checkpoint), "--parallel", "tensor", "--prompt", "Hi"], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert ran.returncode == 2
+    assert "--parallel tensor needs two or more ranks; start it with mlx.launch" in ran.stderr
