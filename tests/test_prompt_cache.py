@@ -9,6 +9,7 @@ file must raise its named error and leave a running chat as it was.
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import struct
@@ -181,6 +182,27 @@ def test_cache_prompt_then_chat_resumes_the_document(chat_folder, chat_model, tm
     refused = run_example("examples.chat", "--model", str(chat_folder), "--prompt", "x", "--system-prompt", "s",
                           "--prompt-cache", str(out))  # fmt: skip
     assert refused.returncode == 2 and "--system-prompt: the conversation in --prompt-cache" in refused.stderr
+
+
+def test_load_and_save_in_a_running_chat(chat_folder, chat_model, tmp_path):
+    """In the terminal: ``/load`` of a damaged file is reported by name and the chat goes on as it
+    was; ``/save`` writes the conversation so far."""
+    pexpect = pytest.importorskip("pexpect")
+    template = tmp_path / "template.jinja"
+    template.write_text(TEMPLATE)
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{}")
+    saved = tmp_path / "saved.safetensors"
+    child = pexpect.spawn(sys.executable, ["-m", "examples.chat", "--model", str(chat_folder), "--max-tokens", "6",
+                                           "--chat-template", str(template)], cwd=str(REPO), encoding="utf-8", timeout=120)  # fmt: skip
+    child.logfile_read = transcript = io.StringIO()
+    for line in ("the cat", f"/load {damaged}", f"/save {saved}", "/quit"):
+        child.expect(">> ")
+        child.sendline(line)
+    child.expect(pexpect.EOF)
+    assert f"[error: PromptCacheFormatError: prompt cache {damaged}" in transcript.getvalue()
+    loaded = load_prompt_cache(saved, chat_model)
+    assert [m["role"] for m in loaded.messages] == ["user", "assistant"] and loaded.messages[0]["content"] == "the cat"
 
 
 # ------------------------------------------------------------------------------------ bad files
