@@ -13,10 +13,11 @@ ours, ...; ratios are the median of adjacent pairs), on identical inputs (our pr
   mlx-vlm ``get_image_features`` on the unpadded rows);
 - audio features: a 30 s clip, 750 waveform frames (ours ``Model.encode_audio``, mlx-vlm
   ``get_audio_features``);
-- time to first token: a chat-sized prompt (text, the budget-280 image, a 5 s clip: 432 positions)
-  embedded and prefilled into a fresh cache up to the last position's logits (ours
-  ``models.generation.generate.prefill``, one read; mlx-vlm ``get_input_embeddings`` and its
-  language model with ``mm_token_type_ids``, as its generate loop passes them);
+- time to first token: a chat-sized prompt (text, the budget-280 image, a 5 s clip: 444 positions)
+  from processed inputs: the image and the clip embedded, the prompt prefilled into a fresh cache up
+  to the last position's logits (ours ``Model.prompt`` and ``models.generation.generate.prefill``,
+  one read; mlx-vlm ``get_input_embeddings`` and its language model with ``mm_token_type_ids``, as
+  its generate loop passes them);
 - decode: 32 greedy steps after that prefill (ours ``Model.forward``, mlx-vlm its language model),
   tokens per second; the two stacks' tokens are compared.
 
@@ -211,8 +212,9 @@ def main() -> None:
     state = {}
 
     def ours_prefill():
+        fresh = chat_prompt(ours, images[280], short)  # the image and the clip embedded again, as mlx-vlm does below
         cache = ours.make_cache()
-        logits = prefill(ours.forward, prompt.ids, cache, 2048, prompt.images)
+        logits = prefill(ours.forward, fresh.ids, cache, 2048, fresh.images)
         mx.eval(logits)
         state["ours"] = (cache, logits)
 
