@@ -13,8 +13,9 @@ repeated, so no prompt cache helps either side) and ``max_tokens=--gen``.
 Per level: throughput = all completion tokens (as each server's usage reports them) / wall time
 from the first request sent to the last answer received; latency = each request's time to its
 last byte, time to first token = to its first text; p50 and p99 over the level's requests (with a
-few dozen requests p99 is close to the maximum). The servers run one after the other, ours first;
-the machine is a shared 2-core VM, so one run is noisy: read the ratios, not the digits.
+few dozen requests p99 is close to the maximum). Both servers are up at once and each level runs
+``--repeats`` times, alternating which server goes first; cells are medians with the [range]. The
+machine is a shared 2-core VM whose load swings 2x: read the ratios, not the digits.
 """
 
 from __future__ import annotations
@@ -123,27 +124,45 @@ def level(url: str, model: str, clients: int, requests: int, gen: int, words: in
             "ttft_p99_s": pct(ttft, 0.99), "mean_tokens": statistics.mean(r["tokens"] for r in results) if results else 0}  # fmt: skip
 
 
-def run_stack(stack: str, folder: Path, args) -> list[dict]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    process = start(stack, folder, port, args.batch, args.gen)
+def run_all(folder: Path, args) -> dict[str, list[list[dict]]]:
+    """Both servers up at once; each level runs ``--repeats`` times, alternating which goes first
+    (an idle server takes no CPU), so both see the same spells of the shared machine's load."""
+    stacks = ("ours", "mlx_lm.server")
+    ports = {stack: free_port() for stack in stacks}
+    urls = {stack: f"http://127.0.0.1:{ports[stack]}" for stack in stacks}
+    names = {"ours": "m", "mlx_lm.server": str(folder)}
+    processes = {stack: start(stack, folder, ports[stack], args.batch, args.gen) for stack in stacks}
+    results: dict[str, list[list[dict]]] = {stack: [[] for _ in args.clients] for stack in stacks}
     try:
-        wait_ready(url, process)
-        model = "m" if stack == "ours" else str(folder)
-        level(url, model, 1, 1, 8, args.words, seed=999)  # warm-up
-        return [level(url, model, c, args.requests, args.gen, args.words, seed=c) for c in args.clients]
+        for stack in stacks:
+            wait_ready(urls[stack], processes[stack])
+            level(urls[stack], names[stack], 1, 1, 8, args.words, seed=999)  # warm-up
+        for i, clients in enumerate(args.clients):
+            for repeat in range(args.repeats):
+                for stack in stacks if repeat % 2 == 0 else reversed(stacks):
+                    run = level(urls[stack], names[stack], clients, args.requests, args.gen, args.words, seed=100 * repeat + clients)
+                    results[stack][i].append(run)
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        for process in processes.values():
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    return results
+
+
+def summary(runs: list[dict], key: str) -> tuple[float, str]:
+    values = [r[key] for r in runs]
+    middle = statistics.median(values)
+    return middle, f"{middle:.2f} [{min(values):.2f}-{max(values):.2f}]" if len(values) > 1 else f"{middle:.2f}"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--requests", type=int, default=3, help="requests per client, one after another")
+    p.add_argument("--requests", type=int, default=2, help="requests per client, one after another")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each level per server, alternating the order")
     p.add_argument("--gen", type=int, default=64, help="max_tokens of each request")
     p.add_argument("--words", type=int, default=60, help="words per prompt (about 1.3 tokens each)")
     p.add_argument("--batch", type=int, default=16, help="rows decoded together by either server")
@@ -153,19 +172,23 @@ def main() -> None:
     from models.assets.gemma3_270m import gemma3_270m_folder
 
     folder = gemma3_270m_folder()
-    results = {stack: run_stack(stack, folder, args) for stack in ("ours", "mlx_lm.server")}
+    results = run_all(folder, args)
     print(f"Gemma 3 270M ({folder.name}), {args.requests} streamed completions per client, ~{args.words} words in, "
-          f"max {args.gen} tokens out, batch {args.batch}; {os.cpu_count()} CPUs (shared)\n")  # fmt: skip
-    print("| clients | stack | requests | tokens | tok/s | latency p50 / p99 s | first token p50 / p99 s | throughput ratio | p50 ratio |")
+          f"max {args.gen} tokens out, batch {args.batch}, {args.repeats} alternating repeats (median [range]); "
+          f"{os.cpu_count()} CPUs (shared)\n")  # fmt: skip
+    print("| clients | stack | tokens per run | tok/s | latency p50 s | latency p99 s | first token p50 s | throughput ours / peer | p50 peer / ours |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for ours, peer in zip(results["ours"], results["mlx_lm.server"]):
-        for name, row in (("ours", ours), ("mlx_lm.server", peer)):
-            ratio = f"{ours['tok_s'] / peer['tok_s']:.2f}x" if name == "ours" and peer["tok_s"] else ""
-            p50 = f"{peer['p50_s'] / ours['p50_s']:.2f}x" if name == "ours" and ours["p50_s"] else ""
-            print(f"| {row['clients']} | {name} | {row['requests']} | {row['tokens']} | {row['tok_s']:.1f} | "
-                  f"{row['p50_s']:.2f} / {row['p99_s']:.2f} | {row['ttft_p50_s']:.2f} / {row['ttft_p99_s']:.2f} | {ratio} | {p50} |")  # fmt: skip
-            if row["errors"]:
-                print(f"|  | errors | {row['errors']} |")
+    for i, clients in enumerate(args.clients):
+        ours, peer = results["ours"][i], results["mlx_lm.server"][i]
+        ratio = summary(ours, "tok_s")[0] / summary(peer, "tok_s")[0]
+        p50 = summary(peer, "p50_s")[0] / summary(ours, "p50_s")[0]
+        for name, runs in (("ours", ours), ("mlx_lm.server", peer)):
+            cells = [summary(runs, key)[1] for key in ("tok_s", "p50_s", "p99_s", "ttft_p50_s")]
+            extra = f"{ratio:.2f}x | {p50:.2f}x" if name == "ours" else " | "
+            print(f"| {clients} | {name} | {runs[0]['tokens']} | {' | '.join(cells)} | {extra} |")
+            errors = [e for r in runs for e in r["errors"]]
+            if errors:
+                print(f"|  | errors | {errors[:3]} |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
