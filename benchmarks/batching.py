@@ -94,18 +94,21 @@ def run_system_prompt(folder: str, length: int, gen: int) -> dict:
     model = models.load(folder, tokenizer=False)
     system = prompts(1, length)[0]
     questions = [[int(x) for x in q[1:40]] for q in prompts(3, 48)]
-    store = PrefixStore(max_bytes=2 * 2**30)
     result = {}
     warm_up = [2] + [int(x) for x in prompts(1, 64)[0][1:]]  # one-time costs (compiles, allocations) off the clock
     BatchGenerator(model, max_batch=1).run([BatchRequest(warm_up, max_tokens=2, stop_ids=frozenset())])
-    for name, ids in (("cold", system + questions[0]), ("warm", system + questions[1]), ("warm again", system + questions[2])):
-        generator = BatchGenerator(model, max_batch=1, prefix_store=store)
-        generator.submit(BatchRequest(ids, max_tokens=gen, stop_ids=frozenset()))
-        t = time.perf_counter()
-        first = generator.step()
-        result[name] = {"ttft_s": time.perf_counter() - t, "reused": first[0].reused_tokens}
-        while generator.busy:
-            generator.step()
+    for aligned in (True, False):
+        store = PrefixStore(max_bytes=2 * 2**30, aligned=aligned)
+        mode = "exact (aligned chunks)" if aligned else "at the common prefix (aligned=False)"
+        for name, ids in (("no reuse", system + questions[0]), ("reuse", system + questions[1]), ("reuse again", system + questions[2])):
+            generator = BatchGenerator(model, max_batch=1, prefix_store=store)
+            generator.submit(BatchRequest(ids, max_tokens=gen, stop_ids=frozenset()))
+            t = time.perf_counter()
+            first = generator.step()
+            result[f"{mode}: {name}"] = {"ttft_s": round(time.perf_counter() - t, 3), "reused": first[0].reused_tokens}
+            while generator.busy:
+                generator.step()
+        result[f"{mode}: store MB"] = round(store.stats.bytes / 1e6, 1)
     mx.eval(mx.array(0))
     return result
 
