@@ -12,6 +12,8 @@ without the tower refuses the input by name.
 The images go first in one user turn, then the prompt, through the model's chat template. Each
 image costs up to ``--max-soft-tokens`` prompt positions (70, 140, 280, 560 or 1120). The answer
 streams to stdout; errors (an unreadable image, a text-only model) go to stderr with exit code 2.
+Under ``mlx.launch`` with ``--parallel tensor|pipeline`` (images only) rank 0 reads the images and
+runs the vision tower, and the model is split over the ranks (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from examples.chat import DEFAULT_MODEL, add_generation_args, answer, check_args, load_model, make_session
+from examples.chat import DEFAULT_MODEL, add_generation_args, add_parallel_args, answer, check_args, in_parallel, load_model, make_session
 from models.processing.image_processor import Gemma4ImageProcessor
 
 DEFAULT_PROMPT = "Describe this image."
@@ -39,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--system-prompt", help="a system prompt")
     p.add_argument("--thinking", action="store_true", help="switch on the model's thinking mode")
     add_generation_args(p)
+    add_parallel_args(p)
     p.set_defaults(max_tokens=256)
     return p.parse_args(argv)
 
@@ -49,6 +52,18 @@ def main(argv=None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    return in_parallel(args, describe)
+
+
+def describe(args: argparse.Namespace, ranks=None) -> int:
+    """``main`` after the flags; with ``--parallel`` on every rank, where only rank 0 reads the media."""
+    if ranks is not None and ranks.rank != 0:
+        model = load_model(args)
+        session = None if model is None else make_session(model, args)
+        if session is None:
+            return 2
+        ranks.session(session)  # follows rank 0's turn until rank 0 closes
+        return 0
     try:
         for path in args.image:  # a bad file is reported before the (long) model load
             Gemma4ImageProcessor().load_rgb(path)
@@ -75,6 +90,8 @@ def main(argv=None) -> int:
     session = make_session(model, args)
     if session is None:
         return 2
+    if ranks is not None:
+        session = ranks.session(session)
     return 0 if answer(session, prompt, args.verbose, None, images=images, audio=audio, videos=videos) else 2
 
 

@@ -3,13 +3,16 @@
 A tiny random Gemma 4 (per-layer inputs and KV sharing, the real 262,144-token vocabulary and the
 real Gemma 4 tokenizer and chat template) chats over two ranks: rank 0 reads the turns from
 stdin (``mlx.launch`` hands stdin to every rank; only rank 0 reads it), the other rank follows,
-and what rank 0 prints must be what the single-process chat prints for the same turns.
+and what rank 0 prints must be what the single-process chat prints for the same turns. The same
+for ``examples.image_to_text`` on a tiny Gemma 4 with a vision tower (rank 0 reads the image).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+
+import numpy as np
 import subprocess
 import sys
 
@@ -19,7 +22,7 @@ pytest.importorskip("transformers")
 
 from models.assets.gemma4_tokenizer import gemma4_tokenizer_dir  # noqa: E402
 from tests.distributed_tiny import REPO, free_ports  # noqa: E402
-from tests.hf_tiny import BASE, F, S, save_causal_lm  # noqa: E402
+from tests.hf_tiny import BASE, T5_TEXT, T5_VISION, F, S, save_causal_lm  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +34,37 @@ CONFIG = dict(
 TURNS = "Hi there\n/reset\nHello, how are you?\nAnd then?\n/quit\n"
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-gemma4-chat")
-    save_causal_lm(CONFIG, folder, seed=1)
+def with_tokenizer(folder):
     for item in gemma4_tokenizer_dir().iterdir():
         shutil.copy(item, folder / item.name)
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 106, 50]}))
     return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-gemma4-chat")
+    save_causal_lm(CONFIG, folder, seed=1)
+    return with_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def vision_checkpoint(tmp_path_factory):
+    """A tiny Gemma 4 with a vision tower, the real vocabulary (and so the real image token ids) and tokenizer."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    folder = tmp_path_factory.mktemp("tiny-gemma4-vision")
+    torch.manual_seed(0)
+    text = dict(T5_TEXT, vocab_size=262144, vocab_size_per_layer_input=262144)
+    Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=T5_VISION, audio_config=None)).save_pretrained(folder)
+    return with_tokenizer(folder)
+
+
+def launched(arguments: list[str], **run) -> subprocess.CompletedProcess:
+    command = [shutil.which("mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(free_ports(2)), "--python",
+               sys.executable, *arguments]  # fmt: skip
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, **run)
 
 
 def chat_command(folder) -> list[str]:
@@ -53,10 +79,7 @@ def single_process(checkpoint):
 
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
 def test_rank_0_chats_as_the_single_process_does(checkpoint, single_process, mode):
-    launcher = shutil.which("mlx.launch")
-    command = [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(free_ports(2)), "--python", sys.executable,
-               *chat_command(checkpoint), "--parallel", mode]  # fmt: skip
-    ran = subprocess.run(command, input=TURNS, cwd=REPO, capture_output=True, text=True, timeout=600)
+    ran = launched([*chat_command(checkpoint), "--parallel", mode], input=TURNS)
     assert single_process.returncode == 0, single_process.stderr[-2000:]
     assert "Node with rank" not in ran.stderr, ran.stderr[-3000:]  # mlx.launch warns about a rank that failed
     assert ran.stdout == single_process.stdout
@@ -68,3 +91,18 @@ def test_parallel_needs_several_ranks(checkpoint):
                          capture_output=True, text=True, timeout=600)  # fmt: skip
     assert ran.returncode == 2
     assert "--parallel tensor needs two or more ranks; start it with mlx.launch" in ran.stderr
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_image_to_text_with_the_image_on_rank_0(vision_checkpoint, tmp_path, mode):
+    from PIL import Image
+
+    path = tmp_path / "photo.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (100, 150, 3), dtype=np.uint8)).save(path)
+    arguments = ["-m", "examples.image_to_text", "--model", str(vision_checkpoint), "--image", str(path), "--max-tokens", "10",
+                 "--max-soft-tokens", "70"]  # fmt: skip
+    single = subprocess.run([sys.executable, *arguments], cwd=REPO, capture_output=True, text=True, timeout=600)
+    ran = launched([*arguments, "--parallel", mode])
+    assert single.returncode == 0, single.stderr[-2000:]
+    assert "Node with rank" not in ran.stderr, ran.stderr[-3000:]
+    assert ran.stdout == single.stdout and len(single.stdout.strip()) > 0
