@@ -50,10 +50,11 @@ def _mean(x: mx.array) -> mx.array:
     """The float32 mean over the last axis as sums of ``_BLOCK``-element blocks, then of the blocks.
 
     One running float32 sum over a merged patch's 6912 pixel values (all positive, mean about 0.5)
-    is off by about 3e-6 relative; torch's reduction sums in a tree and is off by 3e-7. The error
-    of the mean is amplified by the LayerNorm's 1/std (about 3.5 for pixels) and then by the
-    decoder: with one running sum the logits of the tiny parity model moved 2.7e-4 from float64,
-    with blocks 3e-5 (torch: 4e-5).
+    is off by about 3e-6 relative (MLX's ``mean`` and ``fast.layer_norm`` on the CPU); torch's
+    reduction sums in a tree and is off by 3e-7. The error of the mean is amplified by the
+    LayerNorm's 1/std (about 3.5 for pixels) and then by the decoder: on a tiny random model with
+    unit norm weights the features moved 1.3e-5 from float64 and the logits 2.7e-4 with one running
+    sum, 2e-6 and 6e-5 with blocks (torch: 1.5e-6 and 4e-5). ``docs/unified.md``.
     """
     n = x.shape[-1]
     pad = -n % _BLOCK
