@@ -195,18 +195,21 @@ def mlx_lm_config(raw: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
     mlx-lm's ``gemma4_text`` reads ``global_head_dim`` / ``num_global_key_value_heads`` (transformers
     writes ``per_layer_config``); its ``gemma3_text`` reads ``sliding_window_pattern``, ``rope_theta``,
     ``rope_local_base_freq`` and ``rope_scaling`` (transformers writes ``layer_types`` and
-    ``rope_parameters``). Keys are added only when absent, and only when our parser reads the result
-    as the same config. Returns the config and the added keys.
+    ``rope_parameters``). mlx-vlm's ``gemma4_unified`` reads its text config with the same Gemma 4
+    class. Keys are added only when absent, and only when our parser reads the result as the same
+    config. Returns the config and the added keys.
     """
     config = json.loads(json.dumps(raw))
     model_type = config.get("model_type")
-    text = config.get("text_config") if model_type in ("gemma4", "gemma3") else config
+    text = config.get("text_config") if model_type in ("gemma4", "gemma3", "gemma4_unified") else config
     if not isinstance(text, dict):
         return config, []
-    if model_type in ("gemma4", "gemma4_text"):
+    if model_type in ("gemma4", "gemma4_text", "gemma4_unified", "gemma4_unified_text"):
         from graphs.gemma4_text_config import FULL, Gemma4TextConfig
+        from graphs.gemma4_unified_config import unified_text_config
 
-        parse = Gemma4TextConfig.from_dict
+        # mlx-vlm's gemma4_unified reads its text config through the same Gemma 4 class.
+        parse = unified_text_config if model_type.startswith("gemma4_unified") else Gemma4TextConfig.from_dict
         before = parse(config)
         full = [i for i, t in enumerate(before.layer_types) if t == FULL]
         extra = {}
@@ -547,8 +550,9 @@ def _megabytes(n: int) -> str:
 def _notes(config: Mapping[str, Any], added: list[str]) -> list[str]:
     notes = []
     if added:
-        notes.append(f"Added for mlx-lm (same model in our loader): {', '.join(added)}.")
-    text = config.get("text_config") if config.get("model_type") in ("gemma4", "gemma3") else config
+        reader = "mlx-vlm" if config.get("model_type") == "gemma4_unified" else "mlx-lm"
+        notes.append(f"Added for {reader} (same model in our loader): {', '.join(added)}.")
+    text = config.get("text_config") if config.get("model_type") in ("gemma4", "gemma3", "gemma4_unified") else config
     text = text or {}
     model_type = config.get("model_type")
     if model_type == "diffusion_gemma":
@@ -556,6 +560,9 @@ def _notes(config: Mapping[str, Any], added: list[str]) -> list[str]:
     elif model_type == "gemma4" and config.get("vision_config"):
         notes.append("mlx-lm loads the text model of this folder (it drops the vision tower); mlx-vlm's gemma4 reads the "
                      "whole layout (not tested here: mlx-vlm is not installed).")  # fmt: skip
+    elif model_type == "gemma4_unified":
+        notes.append("mlx-lm has no gemma4_unified; mlx-vlm 0.7.10's gemma4_unified loads this folder (checked by hand, "
+                     "docs/unified.md; not in the tests: mlx-vlm is not installed).")  # fmt: skip
     if text.get("attention_bias"):
         notes.append("attention_bias is set: mlx-lm's Gemma classes have no attention biases and cannot load this folder.")
     if text.get("use_bidirectional_attention") == "all":

@@ -314,6 +314,8 @@ def test_converted_folders_reload_with_equal_logits(release, tmp_path, bits):
     on_load = models.load(str(directory), tokenizer=False, q_bits=bits, q_group_size=32)
     reloaded = models.load(str(tmp_path / "q"), tokenizer=False)
     written = read_safetensors(tmp_path / "q")
+    config = read_config(tmp_path / "q")["text_config"]  # the flat keys mlx-vlm's gemma4_unified reads
+    assert (config["global_head_dim"], config["num_global_key_value_heads"]) == (64, 1)
     assert "vision_embedder.patch_dense.weight" in written and "language_model.model.layers.0.mlp.up_proj.scales" in written
     assert "vision_embedder.patch_dense.scales" not in written  # the policy keeps the vision embedder in full precision
     for m in (on_load, reloaded):
