@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="resume the conversation saved in FILE (its messages and KV caches; examples.cache_prompt "
                         "writes one from a document) and save it there on exit; a missing FILE starts a new one")  # fmt: skip
     p.add_argument("--draft-model", metavar="NAME_OR_PATH",
-                   help="speculative decoding: a Gemma 4 assistant (gemma4_assistant) for a Gemma 4 --model, or any "
+                   help="speculative decoding: a Gemma 4 assistant (gemma4_assistant, gemma4_unified_assistant) for a Gemma 4 --model, or any "
                         "zoo model with the same tokenizer; the output is the same, --verbose reports the acceptance")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens drafted per target step (1-16; default 4)")
     add_parallel_args(p)
