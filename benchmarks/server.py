@@ -61,16 +61,17 @@ def start(stack: str, folder: Path, port: int, batch: int, gen: int) -> subproce
 
 
 def wait_ready(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
-    import httpx2
+    import urllib.request
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the server exited: {process.stderr.read()[-2000:]}")
         try:
-            if httpx2.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx2.HTTPError:
+            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
             pass
         time.sleep(0.5)
     raise RuntimeError(f"{url} did not become ready")

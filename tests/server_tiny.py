@@ -103,6 +103,21 @@ def save_scripted(folder: Path, chains: list[list[int]]) -> Path:
     return add_tokenizer(folder)
 
 
+def http(url: str, body: bytes | dict | None = None) -> tuple[int, dict]:
+    """``(status, JSON body)`` of a GET (no body) or a POST, with the standard library (no client
+    library's own checks between the test and the server)."""
+    import urllib.error
+    import urllib.request
+
+    data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

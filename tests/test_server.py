@@ -24,7 +24,7 @@ import models  # noqa: E402
 from models.generation.generate import SamplingOptions  # noqa: E402
 from tests.server_tiny import (  # noqa: E402
     CHANNEL_CLOSE, CHANNEL_OPEN, NEWLINE, QUOTE, TOOL_CLOSE, TOOL_OPEN, TOOL_RESPONSE, TOOL_RESPONSE_CLOSE, TURN_CLOSE,
-    distinct, gemma4_tokenizer_dir, running_server, save_random_chat, save_scripted, text_ids,
+    distinct, gemma4_tokenizer_dir, http, running_server, save_random_chat, save_scripted, text_ids,
 )  # fmt: skip
 
 ANSWER = "Paris is lovely. The end."
@@ -108,9 +108,7 @@ def collect(stream) -> dict:
 # ------------------------------------------------------------------------------ plain answers
 def test_models_and_health(answer_client):
     assert [m.id for m in answer_client.models.list().data] == ["tiny"]
-    import httpx2
-
-    assert httpx2.get(str(answer_client.base_url).removesuffix("/v1/") + "/health").json() == {"status": "ok"}
+    assert http(str(answer_client.base_url).removesuffix("/v1/") + "/health") == (200, {"status": "ok"})
 
 
 def test_chat_answers_without_thinking_by_default(answer_client):
@@ -201,11 +199,8 @@ def test_tool_call_cut_by_max_tokens_comes_back_as_text(tool_client):
 
 
 # ------------------------------------------------------------------------------ bad input
-def raw(client, path: str, body: bytes | dict):
-    import httpx2
-
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    return httpx2.post(str(client.base_url).rstrip("/") + path, content=data, headers={"content-type": "application/json"}, timeout=60)
+def raw(client, path: str, body: bytes | dict) -> tuple[int, dict]:
+    return http(str(client.base_url).rstrip("/") + path, body)
 
 
 @pytest.mark.parametrize("body, status, words", [
@@ -232,9 +227,9 @@ def raw(client, path: str, body: bytes | dict):
 ])  # fmt: skip
 def test_bad_input_is_a_4xx_naming_the_fault_and_the_server_keeps_serving(answer_client, body, status, words):
     path = "/completions" if isinstance(body, dict) and "prompt" in body else "/chat/completions"
-    response = raw(answer_client, path, body)
-    assert response.status_code == status, response.text
-    error = response.json()["error"]
+    code, answer = raw(answer_client, path, body)
+    assert code == status, answer
+    error = answer["error"]
     for word in words:
         assert word in error["message"], error
     assert answer_client.chat.completions.create(model="tiny", messages=USER, max_tokens=40).choices[0].message.content == ANSWER
@@ -263,17 +258,16 @@ def test_queue_bound_gives_429_with_retry_after(answer_model):
 
 
 def test_a_client_that_disconnects_cancels_its_request(answer_model):
-    import httpx2
+    import urllib.request
 
     with running_server(answer_model, max_batch=2) as url:
-        body = {"model": "tiny", "messages": USER, "max_tokens": 400, "stream": True}
-        with httpx2.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
-            for line in response.iter_lines():
-                if line.startswith("data:"):
-                    break  # the answer has begun; hang up
+        body = json.dumps({"model": "tiny", "messages": USER, "max_tokens": 400, "stream": True}).encode()
+        request = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert response.readline().startswith(b"data:")  # the answer has begun; hang up
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            metrics = httpx2.get(url + "/metrics").json()
+            metrics = http(url + "/metrics")[1]
             if metrics["running_requests"] == 0 and metrics["requests_finished"]["cancelled"] + metrics["requests_finished"]["stop"] >= 1:
                 break
             time.sleep(0.1)

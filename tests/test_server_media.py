@@ -103,3 +103,84 @@ def test_two_images_in_one_message(model, photo):
                                 add_special_tokens=False))  # fmt: skip
     want = model.generate(ids, images=[Image.open(photo), Image.open(io.BytesIO(buffer.getvalue()))], max_tokens=6)
     assert reply.choices[0].message.content == want
+
+
+@pytest.fixture(scope="module")
+def audio_model(tmp_path_factory):
+    """A tiny Gemma 4 with vision and audio towers, the real vocabulary, tokenizer and media token ids."""
+    import torch
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+
+    from tests.hf_tiny import T5_VISION
+    from tests.media_tiny import AUDIO_CONFIG, randomize_audio
+    from tests.server_tiny import add_tokenizer
+    from tests.test_gemma4_multimodal_chat import CHAT_TEXT
+    from tests.test_gemma4_vision_parity import randomize
+
+    folder = tmp_path_factory.mktemp("server-audio")
+    torch.manual_seed(5)
+    config = Gemma4Config(text_config=CHAT_TEXT, vision_config=T5_VISION, audio_config=AUDIO_CONFIG, initializer_range=0.05)
+    reference = Gemma4ForConditionalGeneration(config).eval()
+    randomize(reference.model.vision_tower, seed=6)
+    randomize(reference.model.embed_vision, seed=7)
+    randomize_audio(reference.model.audio_tower, seed=8)
+    randomize_audio(reference.model.embed_audio, seed=9)
+    reference.save_pretrained(folder)
+    return models.load(str(add_tokenizer(folder)))
+
+
+def test_input_audio_equals_generate_and_bad_audio_is_named(audio_model, model, tmp_path):
+    soundfile = pytest.importorskip("soundfile")
+    from tests.media_tiny import synthetic_clip
+
+    wav = tmp_path / "clip.wav"
+    soundfile.write(wav, synthetic_clip(1.5), 16_000)
+    data = base64.b64encode(wav.read_bytes()).decode()
+    tokenizer = audio_model.tokenizer
+    messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "What do you hear?"}]}]
+    ids = list(tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False),
+                                add_special_tokens=False))  # fmt: skip
+    want = audio_model.generate(ids, audio=[str(wav)], max_tokens=6)
+
+    def content(payload: str, kind: str = "wav"):
+        return [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": payload, "format": kind}},
+                                             {"type": "text", "text": "What do you hear?"}]}]  # fmt: skip
+
+    with running_server(audio_model) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(model="tiny", messages=content(data), max_tokens=6)
+        assert reply.choices[0].message.content == want
+        with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[0\]"):
+            client.chat.completions.create(model="tiny", messages=content(base64.b64encode(b"not audio at all").decode()), max_tokens=4)
+        assert client.chat.completions.create(model="tiny", messages=content(data), max_tokens=6).choices[0].message.content == want
+    with running_server(model) as url:  # the vision-only checkpoint
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="no audio tower"):
+            client.chat.completions.create(model="tiny", messages=content(data), max_tokens=4)
+
+
+def test_video_url_equals_generate(audio_model, tmp_path):
+    av = pytest.importorskip("av")
+    import numpy as np
+
+    path = tmp_path / "clip.mp4"
+    with av.open(str(path), mode="w") as container:
+        stream = container.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+        for i in range(8):
+            frame = (np.random.default_rng(i).random((64, 96, 3)) * 255).astype(np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    tokenizer = audio_model.tokenizer
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    ids = list(tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False),
+                                add_special_tokens=False))  # fmt: skip
+    want = audio_model.generate(ids, videos=[str(path)], max_tokens=6)
+    url_of = "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
+    with running_server(audio_model) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        content = [{"type": "video_url", "video_url": {"url": url_of}}, {"type": "text", "text": "What happens?"}]
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=6)
+    assert reply.choices[0].message.content == want

@@ -17,13 +17,12 @@ import time
 import pytest
 
 pytest.importorskip("transformers")
-httpx2 = pytest.importorskip("httpx2")
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 import models  # noqa: E402
 from models.generation.generate import KVQuantization  # noqa: E402
-from tests.server_tiny import running_server, save_random_chat  # noqa: E402
+from tests.server_tiny import http, running_server, save_random_chat  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -97,7 +96,7 @@ def test_soak(model):
         for thread in threads:
             thread.join(timeout=900)
         elapsed = time.monotonic() - start
-        metrics = httpx2.get(url + "/metrics").json()
+        metrics = http(url + "/metrics")[1]
     assert not failures, "\n".join(failures[:10])
     assert len(answers) == CLIENTS * REQUESTS
     assert metrics["running_requests"] == 0 and metrics["queue_length"] == 0
