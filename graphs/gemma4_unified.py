@@ -12,7 +12,7 @@ model's space, as ``modeling_gemma4_unified.py`` does:
   through that RMSNorm and projection (``embed_audio``).
 
 Every row is independent (no attention among patches or frames), so all images of a call go
-through the embedder as one batch of rows.
+through the embedder together, as batches of at most ``ROWS_PER_CALL`` rows.
 
 The text decoder is Gemma 4's (``Gemma4LanguageModel``: no per-layer inputs, no MoE in this
 family) and the prompt plumbing is ``Gemma4MultimodalModel``'s. The mask differs from Gemma 4's:
@@ -44,6 +44,9 @@ from .layers import float_dtype
 LAYER_NORM_EPS = 1e-5
 # Elements summed per partial sum in ``PairwiseLayerNorm``.
 _BLOCK = 128
+# Patch rows per embedder call: one image at the largest budget (1120 soft tokens) goes in one, and
+# many images or video frames never hold more than this many 6912-wide rows and their activations.
+ROWS_PER_CALL = 2048
 
 
 def _mean(x: mx.array) -> mx.array:
@@ -136,9 +139,12 @@ class Gemma4UnifiedModel(Gemma4MultimodalModel):
             raise ValueError("Gemma4UnifiedModel: this checkpoint has no vision embedder (vision_config is null)")
         if not images:
             return []
-        patches = mx.concatenate([mx.array(np.asarray(p)).reshape(-1, self.config.vision.patch_dim) for p, _ in images])
+        patches = np.concatenate([np.asarray(p, dtype=np.float32).reshape(-1, self.config.vision.patch_dim) for p, _ in images])
         positions = np.concatenate([np.asarray(q).reshape(-1, 2) for _, q in images])
-        rows = self.embed_vision(self.vision_embedder(patches, positions))
+        rows = mx.concatenate([
+            self.embed_vision(self.vision_embedder(mx.array(patches[i : i + ROWS_PER_CALL]), positions[i : i + ROWS_PER_CALL]))
+            for i in range(0, len(patches), ROWS_PER_CALL)
+        ])  # fmt: skip
         bounds = np.cumsum([np.asarray(q).reshape(-1, 2).shape[0] for _, q in images])[:-1]
         return mx.split(rows, bounds.tolist()) if len(images) > 1 else [rows]
 

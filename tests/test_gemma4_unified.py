@@ -367,3 +367,15 @@ def test_batched_rows_with_media_equal_each_alone(release):
     alone = [[c.token for c in model.stream(p, max_tokens=12, sampling=o) if c.token is not None] for p, o in zip(prompts, options)]
     together = BatchGenerator(model, max_batch=3).run([BatchRequest(p, max_tokens=12, sampling=o) for p, o in zip(prompts, options)])
     assert [list(t) for t in together] == alone and len({tuple(a) for a in alone}) == 3
+
+
+def test_images_are_embedded_in_bounded_batches(release, monkeypatch):
+    import graphs.gemma4_unified as unified
+
+    _, _, model, _ = release
+    images = model.process_images([photo_like(100, 150, 0), photo_like(90, 60, 1)], max_soft_tokens=70)
+    pairs = [(i.patches, i.position_ids) for i in images]
+    whole = model.graph.image_features(pairs)
+    monkeypatch.setattr(unified, "ROWS_PER_CALL", 7)
+    pieces = model.graph.image_features(pairs)
+    assert [p.shape for p in pieces] == [w.shape for w in whole] and max(worst(p, w) for p, w in zip(pieces, whole)) < 1e-6
