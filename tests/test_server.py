@@ -310,3 +310,11 @@ def test_images_on_a_text_model_are_refused_by_name(answer_client):
     content = [{"type": "image_url", "image_url": {"url": png_data_url()}}, {"type": "text", "text": "What is this?"}]
     with pytest.raises(openai.BadRequestError, match="no vision tower"):
         answer_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=4)
+
+
+def test_a_body_past_the_limit_is_a_413(answer_model):
+    with running_server(answer_model, max_body_bytes=2000) as url:
+        code, answer = http(url + "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x" * 3000}]})
+        assert code == 413 and "larger than 2000 bytes" in answer["error"]["message"]
+        code, answer = http(url + "/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 40})
+        assert code == 200 and answer["choices"][0]["message"]["content"] == ANSWER

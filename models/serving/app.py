@@ -54,6 +54,7 @@ class ServerSettings:
     min_p: float = 0.0
     seed: int | None = None  # for requests that send none
     media: MediaPolicy = field(default_factory=MediaPolicy)
+    max_body_bytes: int = 64 << 20  # a request body past this is a 413 (media parts are base64 in it)
 
 
 class Prepared:
@@ -275,8 +276,14 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-async def read_json(request: Request):
-    body = await request.body()
+async def read_json(request: Request, limit: int):
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body is larger than {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
     try:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -304,7 +311,7 @@ def make_app(model, engine: Engine, settings: ServerSettings) -> Starlette:
 
     async def chat(request: Request) -> Response:
         try:
-            req = parse(ChatRequest, await read_json(request))
+            req = parse(ChatRequest, await read_json(request, settings.max_body_bytes))
             check_model(req.model)
             if req.canvas_events and not req.stream:
                 raise APIError(400, "canvas_events: the canvas is streamed; it needs stream: true", "canvas_events")
@@ -315,7 +322,7 @@ def make_app(model, engine: Engine, settings: ServerSettings) -> Starlette:
 
     async def completions(request: Request) -> Response:
         try:
-            req = parse(CompletionRequest, await read_json(request))
+            req = parse(CompletionRequest, await read_json(request, settings.max_body_bytes))
             check_model(req.model)
             run = await server.run(await server.prepare_completion(req))
         except APIError as err:
