@@ -4,13 +4,13 @@ Everything but preprocessing is ``Model``'s (prompts, chat, generation, speculat
 graph takes the same calls as Gemma 4's multimodal graph. Images and video frames are cut into
 merged 48 px patches and audio into raw waveform frames (``models.processing.unified``), with the
 checkpoint's settings (``processor_config.json`` / ``preprocessor_config.json``; the feature
-extractor's are the unified ones, ``UNIFIED_AUDIO_DEFAULTS``).
+extractor's are the unified ones, family ``gemma4_unified`` of ``models.processing.settings``).
 """
 
 from __future__ import annotations
 
 from models.model import Model
-from models.processing.settings import UNIFIED_AUDIO_DEFAULTS, ProcessorSettings
+from models.processing.settings import ProcessorSettings
 from models.processing.unified import Gemma4UnifiedAudioProcessor, Gemma4UnifiedImageProcessor, unified_video_processor
 
 
@@ -20,7 +20,7 @@ class UnifiedModel(Model):
     @property
     def processor_settings(self) -> ProcessorSettings:
         if self._settings is None:
-            self._settings = ProcessorSettings.from_folder(self.path, UNIFIED_AUDIO_DEFAULTS)
+            self._settings = ProcessorSettings.from_folder(self.path, "gemma4_unified")
         return self._settings
 
     def image_processor(self, max_soft_tokens: int | None = None) -> Gemma4UnifiedImageProcessor:

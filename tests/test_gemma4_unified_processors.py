@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 from models.processing.audio import AudioTooLongError, load_audio  # noqa: E402
 from models.processing.image_processor import SUPPORTED_SOFT_TOKEN_BUDGETS  # noqa: E402
-from models.processing.settings import UNIFIED_AUDIO_DEFAULTS, ProcessorSettings, ProcessorSettingsError  # noqa: E402
+from models.processing.settings import ProcessorSettings, ProcessorSettingsError  # noqa: E402
 from models.processing.unified import Gemma4UnifiedAudioProcessor, Gemma4UnifiedImageProcessor, unified_video_processor  # noqa: E402
 from tests.media_tiny import synthetic_clip  # noqa: E402
 from tests.test_gemma4_video import reference_video, synthetic_video  # noqa: E402
@@ -127,7 +127,7 @@ def test_checkpoint_settings_are_read_and_checked(tmp_path):
     extractor = {"feature_extractor_type": "Gemma4UnifiedAudioFeatureExtractor", "feature_size": 320,
                  "audio_samples_per_token": 320, "sampling_rate": 16000, "padding_value": 0.0, "return_attention_mask": True}  # fmt: skip
     (tmp_path / "processor_config.json").write_text(json.dumps({"feature_extractor": extractor, "audio_seq_length": 500}))
-    settings = ProcessorSettings.from_folder(tmp_path, UNIFIED_AUDIO_DEFAULTS)
+    settings = ProcessorSettings.from_folder(tmp_path, "gemma4_unified")
     processor = Gemma4UnifiedAudioProcessor(settings.audio, settings.processor["audio_seq_length"])
     assert processor.process(np.zeros(3200, np.float32)).features.shape == (10, 320)
     with pytest.raises(ValueError, match="audio_embed_dim 640"):
@@ -135,7 +135,37 @@ def test_checkpoint_settings_are_read_and_checked(tmp_path):
     extractor["mel_floor"] = 0.001
     (tmp_path / "processor_config.json").write_text(json.dumps({"feature_extractor": extractor}))
     with pytest.raises(ProcessorSettingsError, match="mel_floor"):
-        ProcessorSettings.from_folder(tmp_path, UNIFIED_AUDIO_DEFAULTS)
+        ProcessorSettings.from_folder(tmp_path, "gemma4_unified")
+
+
+# What mlx-vlm 0.7.10's convert wrote as processor_config.json for a gemma4_unified checkpoint (the
+# tiny one of tests.unified_tiny, with processor files like the 12B's): mel keys and model_patch_size.
+MLX_VLM_WRITTEN = {
+    "image_processor": {"do_convert_rgb": True, "do_normalize": False, "do_rescale": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5],
+                        "image_processor_type": "Gemma4UnifiedImageProcessor", "image_std": [0.5, 0.5, 0.5], "max_soft_tokens": 280,
+                        "model_patch_size": 48, "patch_size": 16, "pooling_kernel_size": 3, "resample": 3,
+                        "rescale_factor": 0.00392156862745098, "size": {"height": 224, "width": 224}},
+    "processor_class": "Gemma4UnifiedProcessor",
+    "video_processor": {"default_fps": 2.0, "do_normalize": False, "do_rescale": True, "do_resize": True, "image_mean": [0.0, 0.0, 0.0],
+                        "image_std": [1.0, 1.0, 1.0], "max_soft_tokens": 70, "model_patch_size": 48, "num_frames": 32, "patch_size": 16,
+                        "pooling_kernel_size": 3, "rescale_factor": 0.00392156862745098, "video_processor_type": "Gemma4UnifiedVideoProcessor"},
+    "feature_extractor": {"feature_extractor_type": "Gemma4UnifiedAudioFeatureExtractor", "sampling_rate": 16000, "num_mel_filters": 128,
+                          "fft_length": 512, "hop_length": 160, "chunk_duration": 8.0, "overlap_duration": 1.0},
+    "audio_ms_per_token": 40,
+}  # fmt: skip
+
+
+def test_an_mlx_vlm_conversion_s_settings_are_read(tmp_path):
+    (tmp_path / "processor_config.json").write_text(json.dumps(MLX_VLM_WRITTEN))
+    settings = ProcessorSettings.from_folder(tmp_path, "gemma4_unified")
+    assert settings.image["max_soft_tokens"] == 280 and settings.audio["audio_samples_per_token"] == 640
+    with pytest.raises(ProcessorSettingsError, match="not implemented here"):  # the allowance is the unified family's only
+        ProcessorSettings.from_folder(tmp_path, "gemma4")
+    bad = json.loads(json.dumps(MLX_VLM_WRITTEN))
+    bad["video_processor"]["model_patch_size"] = 32
+    (tmp_path / "processor_config.json").write_text(json.dumps(bad))
+    with pytest.raises(ProcessorSettingsError, match="model_patch_size 32"):
+        ProcessorSettings.from_folder(tmp_path, "gemma4_unified")
 
 
 # --------------------------------------------------------------------------------------- real assets

@@ -51,6 +51,22 @@ AUDIO_DEFAULTS: dict[str, Any] = dict(
 )  # fmt: skip
 # Gemma 4 unified (12B): transformers 5.24 ``Gemma4UnifiedAudioFeatureExtractor`` (raw waveform frames, no mel).
 UNIFIED_AUDIO_DEFAULTS: dict[str, Any] = dict(feature_size=640, sampling_rate=16_000, padding_value=0.0, audio_samples_per_token=640)
+# What mlx-vlm 0.7.10 writes into its gemma4_unified conversions that describes nothing these
+# processors do: its Gemma 4 ``save_pretrained`` fills a feature extractor without mel settings
+# (the unified one reads raw frames) with mel defaults, its unified video reader records the rate
+# it assumes for frames without one, and both record the merged patch side (``model_patch_size``,
+# checked to be patch_size * pooling_kernel_size).
+_MLX_VLM_UNIFIED_KEYS = {
+    "image": {"model_patch_size"},
+    "video": {"model_patch_size", "default_fps"},
+    "audio": {"num_mel_filters", "fft_length", "hop_length", "chunk_duration", "overlap_duration"},
+}
+# Per model family: the feature extractor's settings (with their defaults) and the keys written by
+# a peer's conversion that are read and not used.
+FAMILIES: dict[str, tuple[dict[str, Any], dict[str, set[str]]]] = {
+    "gemma4": (AUDIO_DEFAULTS, {}),
+    "gemma4_unified": (UNIFIED_AUDIO_DEFAULTS, _MLX_VLM_UNIFIED_KEYS),
+}
 PROCESSOR_DEFAULTS: dict[str, Any] = dict(image_seq_length=280, audio_seq_length=750, audio_ms_per_token=40)
 
 _PARTS = {"image_processor": "image", "video_processor": "video", "feature_extractor": "audio"}
@@ -73,11 +89,12 @@ class ProcessorSettings:
     source: dict = field(default_factory=lambda: dict.fromkeys(("image", "video", "audio", "processor"), "default"))
 
     @classmethod
-    def from_folder(cls, folder: str | Path | None, audio_defaults: Mapping[str, Any] = AUDIO_DEFAULTS) -> "ProcessorSettings":
+    def from_folder(cls, folder: str | Path | None, family: str = "gemma4") -> "ProcessorSettings":
         """Read the folder's settings files (reference defaults for whatever they do not say).
 
-        ``audio_defaults`` names the feature extractor's settings and their defaults: Gemma 4's mel
-        extractor (``AUDIO_DEFAULTS``) or the unified model's waveform frames (``UNIFIED_AUDIO_DEFAULTS``)."""
+        ``family`` (``FAMILIES``) says which feature extractor the settings describe: Gemma 4's mel
+        extractor or the unified model's waveform frames."""
+        audio_defaults, _ = FAMILIES[family]
         found: dict[str, dict] = {"image": {}, "video": {}, "audio": {}, "processor": {}}
         source = dict.fromkeys(found, "default")
         if folder is not None:
@@ -102,7 +119,7 @@ class ProcessorSettings:
             processor={**PROCESSOR_DEFAULTS, **_known(found["processor"], PROCESSOR_DEFAULTS)},
             source=source,
         )
-        settings._check(found, folder, audio_defaults)
+        settings._check(found, folder, family)
         return settings
 
     def image_processor_settings(self, patch_size: int, pooling_kernel_size: int) -> dict:
@@ -133,9 +150,10 @@ class ProcessorSettings:
             )
         return dict(max_soft_tokens=budget, patch_size=patch_size, pooling_kernel_size=pooling_kernel_size)
 
-    def _check(self, found: dict[str, dict], folder, audio_defaults: Mapping[str, Any]) -> None:
+    def _check(self, found: dict[str, dict], folder, family: str) -> None:
+        audio_defaults, unused = FAMILIES[family]
         for part, defaults in (("image", IMAGE_DEFAULTS), ("video", VIDEO_DEFAULTS), ("audio", audio_defaults)):
-            unknown = sorted(set(found[part]) - set(defaults) - _BOOKKEEPING)
+            unknown = sorted(set(found[part]) - set(defaults) - _BOOKKEEPING - unused.get(part, set()))
             if unknown:
                 raise ProcessorSettingsError(
                     f"{self.source[part]} in {folder}: {part} settings {unknown} are not implemented here "
@@ -160,7 +178,13 @@ class ProcessorSettings:
                 )
             if values["resample"] not in (3, "bicubic", "BICUBIC"):
                 raise ProcessorSettingsError(f"{self.source[part]} in {folder}: {part} resample must be bicubic (3), got {values['resample']!r}")
-        if audio_defaults is AUDIO_DEFAULTS and self.audio["feature_size"] != 128:
+            merged = found[part].get("model_patch_size", values["patch_size"] * values["pooling_kernel_size"])
+            if merged != values["patch_size"] * values["pooling_kernel_size"]:
+                raise ProcessorSettingsError(
+                    f"{self.source[part]} in {folder}: {part} model_patch_size {merged!r} is not patch_size * "
+                    f"pooling_kernel_size ({values['patch_size']} * {values['pooling_kernel_size']})"
+                )
+        if family == "gemma4" and self.audio["feature_size"] != 128:
             raise ProcessorSettingsError(
                 f"{self.source['audio']} in {folder}: feature_size {self.audio['feature_size']} mel bins; the Gemma 4 audio tower reads 128"
             )
