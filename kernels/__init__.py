@@ -145,19 +145,20 @@ def unpackable(module: nn.Module) -> str | None:
     return None
 
 
-def _float32(a: mx.array) -> mx.array:
-    return a if a.dtype == mx.float32 else a.astype(mx.float32)
+SCALE_DTYPES = (mx.float32, mx.bfloat16, mx.float16)  # read by the kernels as stored
 
 
 def _copy_quantized(new: nn.Module, module: nn.Module, extra: tuple[str, ...]) -> nn.Module:
     """``new`` (made without running its ``__init__``, which would quantize a random matrix) given
-    ``module``'s settings and parameters, scales and biases in float32 (what the kernels read)."""
+    ``module``'s settings and parameters; scales and biases as stored when the kernels read that
+    dtype (both the same), else in float32."""
     nn.Module.__init__(new)
     for name in ("group_size", "bits", "mode", *extra):
         setattr(new, name, getattr(module, name))
     new.weight = module.weight
-    new.scales = _float32(module.scales)
-    new.biases = _float32(module.biases)
+    same = module.scales.dtype == module.biases.dtype and module.scales.dtype in SCALE_DTYPES
+    new.scales = module.scales if same else module.scales.astype(mx.float32)
+    new.biases = module.biases if same else module.biases.astype(mx.float32)
     if "bias" in module:
         new.bias = module.bias
     new.freeze()
@@ -180,11 +181,19 @@ class PackedLinear(nn.QuantizedLinear):
 
 class PackedEmbedding(nn.QuantizedEmbedding):
     """``nn.QuantizedEmbedding`` whose ``as_linear`` (a tied output head) takes ``product``;
-    lookups dequantize the gathered rows as before."""
+    lookups dequantize the gathered rows with their scales in float32 (half-precision scales would
+    otherwise round the rows to that precision)."""
 
     @classmethod
     def of(cls, module: nn.QuantizedEmbedding) -> "PackedEmbedding":
         return _copy_quantized(cls.__new__(cls), module, ("num_embeddings", "dims"))
+
+    def __call__(self, ids: mx.array) -> mx.array:
+        scales, biases = self["scales"][ids], self["biases"][ids]
+        return mx.dequantize(
+            self["weight"][ids], scales.astype(mx.float32), biases.astype(mx.float32),
+            group_size=self.group_size, bits=self.bits, mode=self.mode,
+        )  # fmt: skip
 
     def as_linear(self, x: mx.array) -> mx.array:
         return product(x, self["weight"], self["scales"], self["biases"], self.group_size, self.bits)

@@ -121,13 +121,14 @@ def cast_weights(weights: dict[str, mx.array], precision: Precision) -> dict[str
     }
 
 
-def cast_module(module: nn.Module, precision: Precision) -> None:
-    """Cast a built graph's float parameters in place (for graphs made without ``cast_weights``)."""
+def cast_module(module: nn.Module, precision: Precision, exact: frozenset[str] = frozenset()) -> None:
+    """Cast a built graph's float parameters in place (for graphs made without ``cast_weights``),
+    except those matching ``precision.keep`` and the parameters named in ``exact``."""
     if precision.dtype is None:
         return
 
     def cast(path, a):
-        if mx.issubdtype(a.dtype, mx.floating) and not _kept(path, precision.keep):
+        if mx.issubdtype(a.dtype, mx.floating) and not _kept(path, precision.keep) and path not in exact:
             return a.astype(precision.dtype)
         return a
 
@@ -213,12 +214,13 @@ def apply_quantized_policy(graph: nn.Module) -> str | None:
     choice, why = quantized_policy(graph)
     if choice == "as-stored":
         return f"quantized layers: as stored ({why})"
-    notes = []
+    notes, packed = [], []
     if choice == "packed":
         if not kernels.status().available:
             raise RuntimeError(f"{QUANT_SWITCH}=packed, but the {kernels.describe().removeprefix('packed ')}")
         packed, leaves = _packed_layers(graph, leaves)
-        notes.append(f"{packed} packed with float32 scales ({why})")
+        scales = sorted({str(m.scales.dtype).removeprefix("mlx.core.") for _, m in packed})
+        notes.append(f"{len(packed)} packed with {'/'.join(scales) or 'float32'} scales ({why})")
         if leaves:  # layers the kernels do not take (MoE experts, other bit widths or modes)
             if zoo_switches.value(QUANT_SWITCH) == "packed":  # asked for: every layer stays packed
                 choice, why = "fp32-scales", f"{QUANT_SWITCH}=packed; no kernel for these: MLX's quantized matmul"
@@ -227,9 +229,11 @@ def apply_quantized_policy(graph: nn.Module) -> str | None:
     if leaves and choice == "dequantize":
         for path, module in leaves:
             _set_module(graph, path, _dequantized(module))
-    # Everything else computes in float32 too (scales and biases of packed layers, norms, embeddings),
-    # so activations stay float32: MLX's CPU quantized matmul is several times slower with bf16 scales.
-    cast_module(graph, Precision(mx.float32, "", GATHER_ONLY))
+    # Everything else computes in float32 too (norms, embeddings, scales and biases of layers MLX's
+    # quantized matmul runs: it is several times slower with bf16 scales), so activations stay
+    # float32. The kernels read a packed layer's scales and biases as stored.
+    kept = frozenset(f"{path}.{name}" for path, _ in packed for name in ("scales", "biases"))
+    cast_module(graph, Precision(mx.float32, "", GATHER_ONLY), exact=kept)
     mx.eval(graph.parameters())
     if leaves and choice == "fp32-scales":
         notes.append(f"{len(leaves)} kept packed with float32 scales ({why})")
@@ -238,18 +242,20 @@ def apply_quantized_policy(graph: nn.Module) -> str | None:
     return "quantized layers: " + "; ".join(notes)
 
 
-def _packed_layers(graph: nn.Module, leaves: list[tuple[str, nn.Module]]) -> tuple[int, list[tuple[str, nn.Module]]]:
+def _packed_layers(graph: nn.Module, leaves: list[tuple[str, nn.Module]]) -> tuple[list, list]:
     """Put ``kernels.PackedLinear`` / ``PackedEmbedding`` in place of the layers the kernels take;
-    ``(how many, the leaves left)``."""
-    left = []
+    ``(the packed (path, module) pairs, the leaves left)``."""
+    packed, left = [], []
     for path, module in leaves:
         if isinstance(module, nn.QuantizedEmbedding) and kernels.unpackable(module) is None:
-            _set_module(graph, path, kernels.PackedEmbedding.of(module))
+            packed.append((path, kernels.PackedEmbedding.of(module)))
         elif isinstance(module, nn.QuantizedLinear) and kernels.unpackable(module) is None:
-            _set_module(graph, path, kernels.PackedLinear.of(module))
+            packed.append((path, kernels.PackedLinear.of(module)))
         else:
             left.append((path, module))
-    return len(leaves) - len(left), left
+    for path, module in packed:
+        _set_module(graph, path, module)
+    return packed, left
 
 
 def _quantized_leaves(graph: nn.Module) -> list[tuple[str, nn.Module]]:

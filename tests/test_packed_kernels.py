@@ -30,14 +30,20 @@ ISAS = STATUS.module.available_isas() if STATUS.available else []
 TOL = 1e-5
 
 
-def quantized(N: int, K: int, group: int, bits: int, seed: int, scale: float = 0.05):
-    """Random packed weights (affine, float32 scales) and the float64 ``w = s * q + b`` they stand for."""
+SCALE_DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+
+
+def quantized(N: int, K: int, group: int, bits: int, seed: int, scale: float = 0.05, scale_dtype=mx.float32):
+    """Random packed weights (affine; scales and biases stored in ``scale_dtype``, which the kernels
+    read as they are) and the float64 ``w = s * q + b`` they stand for."""
     mx.random.seed(seed)
     w, s, b = mx.quantize(mx.random.normal((N, K)) * scale, group_size=group, bits=bits)
+    s, b = s.astype(scale_dtype), b.astype(scale_dtype)
     mx.eval(w, s, b)
-    q = np.array(mx.dequantize(w, mx.ones_like(s), mx.zeros_like(b), group_size=group, bits=bits)).astype(np.float64)
-    s64 = np.repeat(np.array(s, dtype=np.float64), group, axis=1)
-    b64 = np.repeat(np.array(b, dtype=np.float64), group, axis=1)
+    ones, zeros = mx.ones(s.shape), mx.zeros(b.shape)
+    q = np.array(mx.dequantize(w, ones, zeros, group_size=group, bits=bits)).astype(np.float64)
+    s64 = np.repeat(np.array(s.astype(mx.float32), dtype=np.float64), group, axis=1)
+    b64 = np.repeat(np.array(b.astype(mx.float32), dtype=np.float64), group, axis=1)
     return (w, s, b), s64 * q + b64, np.abs(s64 * q) + np.abs(b64)
 
 
@@ -61,15 +67,17 @@ def check(y: mx.array, x: mx.array, w64: np.ndarray, mag: np.ndarray) -> float:
     N=st.integers(1, 70),
     M=st.integers(1, 40),
     isa=st.sampled_from(ISAS or ["portable"]),
+    scale_dtype=st.sampled_from(list(SCALE_DTYPES)),
     seed=st.integers(0, 2**16),
 )
-def test_packed_matmul_is_the_dequantized_product(bits, group, groups, N, M, isa, seed):
+def test_packed_matmul_is_the_dequantized_product(bits, group, groups, N, M, isa, scale_dtype, seed):
     K = group * groups
-    (w, s, b), w64, mag = quantized(N, K, group, bits, seed)
+    (w, s, b), w64, mag = quantized(N, K, group, bits, seed, scale_dtype=SCALE_DTYPES[scale_dtype])
     x = mx.random.normal((M, K))
     check(kernels.packed_matmul(x, w, s, b, group, bits, isa=isa), x, w64, mag)
     # the float32 path the kernel replaces meets the same bound
-    check(x @ mx.dequantize(w, s, b, group_size=group, bits=bits).T, x, w64, mag)
+    s32, b32 = s.astype(mx.float32), b.astype(mx.float32)
+    check(x @ mx.dequantize(w, s32, b32, group_size=group, bits=bits).T, x, w64, mag)
 
 
 @needs_kernels
@@ -80,13 +88,15 @@ def test_packed_matmul_is_the_dequantized_product(bits, group, groups, N, M, isa
     groups=st.integers(1, 4),
     N=st.integers(1, 50),
     isa=st.sampled_from(ISAS or ["portable"]),
+    scale_dtype=st.sampled_from(list(SCALE_DTYPES)),
     seed=st.integers(0, 2**16),
 )
-def test_packed_dequantize_equals_mlx(bits, group, groups, N, isa, seed):
+def test_packed_dequantize_equals_mlx(bits, group, groups, N, isa, scale_dtype, seed):
     """The float32 weight: ``q * s + b`` rounded once (fused, AVX2 / AVX-512) or twice (portable, as MLX)."""
-    (w, s, b), w64, mag = quantized(N, group * groups, group, bits, seed)
+    (w, s, b), w64, mag = quantized(N, group * groups, group, bits, seed, scale_dtype=SCALE_DTYPES[scale_dtype])
     ours = np.array(kernels.packed_dequantize(w, s, b, group, bits, isa=isa), dtype=np.float64)
-    mlx_own = np.array(mx.dequantize(w, s, b, group_size=group, bits=bits), dtype=np.float64)
+    s32, b32 = s.astype(mx.float32), b.astype(mx.float32)
+    mlx_own = np.array(mx.dequantize(w, s32, b32, group_size=group, bits=bits), dtype=np.float64)
     assert (np.abs(ours - w64) <= 2**-24 * (mag + np.abs(w64))).all()
     assert np.abs(ours - w64).max() <= np.abs(mlx_own - w64).max()
 
@@ -117,7 +127,8 @@ def test_thread_split_changes_no_bit(bits, M):
 
 @needs_kernels
 def test_batch_axes_strides_and_dtypes():
-    """Leading axes and a transposed (non-contiguous) input are taken as they are; bf16 scales are read in float32."""
+    """Leading axes and a transposed (non-contiguous) input are taken as they are; bf16 scales with
+    float32 biases (mixed: both read as float32) give the product of those values."""
     (w, s, b), w64, mag = quantized(33, 128, 32, 4, 3)
     x = mx.random.normal((2, 3, 128))
     y = kernels.packed_matmul(x, w, s, b, 32, 4)
@@ -125,9 +136,9 @@ def test_batch_axes_strides_and_dtypes():
     check(y, x, w64, mag)
     xt = mx.random.normal((128, 5)).T
     check(kernels.packed_matmul(xt, w, s, b, 32, 4), xt, w64, mag)
-    y16 = kernels.packed_matmul(x, w, s.astype(mx.bfloat16), b.astype(mx.bfloat16), 32, 4)
-    ref16 = x @ mx.dequantize(w, s.astype(mx.bfloat16).astype(mx.float32), b.astype(mx.bfloat16).astype(mx.float32),
-                             group_size=32, bits=4).T
+    s16 = s.astype(mx.bfloat16)
+    y16 = kernels.packed_matmul(x, w, s16, b, 32, 4)
+    ref16 = x @ mx.dequantize(w, s16.astype(mx.float32), b, group_size=32, bits=4).T
     assert mx.allclose(y16, ref16, atol=1e-4)
 
 
@@ -184,3 +195,16 @@ def test_built_here_when_a_compiler_is_present():
     if sys.platform != "linux" or not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
         pytest.skip("no compiler here: the kernels are not expected")
     assert kernels.describe().startswith("packed 4/8-bit kernels: ")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_scales_are_read_exactly(dtype):
+    """Every half-precision scale kind the kernels convert themselves: normal, subnormal, zero, negative."""
+    (w, _, _), _, _ = quantized(6, 64, 32, 8, 2)
+    values = [3.0e-5, 1.0e-6, 6.0e-8, 0.0, -0.0123, 65504.0 if dtype == mx.float16 else 3.0e38, -2.5e-7, 1.0, 0.5, -7.0, 1e-3, 2.0]
+    s = mx.array(values, dtype=dtype).reshape(6, 2)
+    b = -s
+    want = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=32, bits=8)
+    got = kernels.packed_dequantize(w, s, b, 32, 8)
+    assert mx.allclose(got, want, rtol=2**-23, atol=0).item()

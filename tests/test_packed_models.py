@@ -20,6 +20,7 @@ import kernels  # noqa: E402
 import models  # noqa: E402
 import zoo_switches  # noqa: E402
 from models import precision  # noqa: E402
+from models.convert import convert  # noqa: E402
 from models.generation.generate import generate_tokens  # noqa: E402
 from tests import hf_tiny  # noqa: E402
 from tests import quant_tiny as qt  # noqa: E402
@@ -65,6 +66,24 @@ def test_packed_model_equals_the_stored_and_dequantized_ones(folders, name, bits
     a = list(generate_tokens(packed.forward, prompt, packed.make_cache(), max_tokens=12))
     b = list(generate_tokens(dense.forward, prompt, dense.make_cache(), max_tokens=12))
     assert a == b
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bf16_scales_are_read_as_stored(folders, tmp_path, bits):
+    """A pre-quantized folder's bf16 scales and biases stay bf16 (the kernels read them; 2 bytes a
+    group less per token) while everything else computes in float32: the float32-scale model's logits."""
+    folder = tmp_path / "bf16"
+    convert(str(folders / "T1_bias_untied"), folder, q_bits=bits, q_group_size=32, dtype="bfloat16")
+    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT="packed"):
+        packed = models.load(str(folder), tokenizer=False)
+    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT="fp32-scales"):
+        scaled = models.load(str(folder), tokenizer=False)
+    layer = packed.graph.layers[0].mlp.up_proj
+    assert isinstance(layer, kernels.PackedLinear) and layer.scales.dtype == layer.biases.dtype == mx.bfloat16
+    assert packed.graph.layers[0].input_layernorm.weight.dtype == mx.float32
+    assert any("packed with bfloat16 scales" in note for note in packed.device_notes)
+    ids = qt.token_ids(4, 20, 256)
+    assert qt.max_relative_difference(packed.logits(ids), scaled.logits(ids)) < 1e-4
 
 
 def test_auto_takes_the_kernels_and_an_explicit_packed_without_them_is_refused(folders, monkeypatch):

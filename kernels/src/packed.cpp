@@ -300,13 +300,21 @@ static mx::Stream cpu_stream(const char* op, mx::StreamOrDevice s) {
   return stream;
 }
 
-// A weight, scale or bias array as the kernels read it: float32 (or uint32) and row-contiguous.
-// Parameters already evaluated in that layout are taken as they are: a decode step makes ~130
-// products, and each extra graph node costs time on every step.
+// A weight, scale or bias array as the kernels read it: row-contiguous, in ``dtype``. Parameters
+// already evaluated in that layout are taken as they are: a decode step makes ~130 products, and
+// each extra graph node costs time on every step.
 static mx::array as_read(const mx::array& a, mx::Dtype dtype, mx::Stream stream) {
   auto b = mx::astype(a, dtype, stream);
   if (b.is_available() && b.flags().row_contiguous) return b;
   return mx::contiguous(b, false, stream);
+}
+
+// Scales and biases are read in their own dtype when it is float32, bfloat16 or float16 (both the
+// same), else as float32.
+static mx::Dtype scale_dtype(const mx::array& scales, const mx::array& biases) {
+  const auto d = scales.dtype();
+  const bool read_as_is = d == mx::float32 || d == mx::bfloat16 || d == mx::float16;
+  return read_as_is && biases.dtype() == d ? d : mx::float32;
 }
 
 mx::array packed_matmul(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
@@ -327,7 +335,8 @@ mx::array packed_matmul(const mx::array& x, const mx::array& w, const mx::array&
   return mx::array(std::move(out_shape), mx::float32,
                    std::make_shared<PackedMatmul>(stream, group_size, bits, parse_isa(isa)),
                    {mx::astype(x, mx::float32, stream), as_read(w, mx::uint32, stream),
-                    as_read(scales, mx::float32, stream), as_read(biases, mx::float32, stream)});
+                    as_read(scales, scale_dtype(scales, biases), stream),
+                    as_read(biases, scale_dtype(scales, biases), stream)});
 }
 
 mx::array packed_dequantize(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
@@ -337,14 +346,17 @@ mx::array packed_dequantize(const mx::array& w, const mx::array& scales, const m
   auto stream = cpu_stream("packed_dequantize", s);
   return mx::array({static_cast<int>(N), static_cast<int>(K)}, mx::float32,
                    std::make_shared<PackedDequantize>(stream, group_size, bits, parse_isa(isa)),
-                   {as_read(w, mx::uint32, stream), as_read(scales, mx::float32, stream),
-                    as_read(biases, mx::float32, stream)});
+                   {as_read(w, mx::uint32, stream), as_read(scales, scale_dtype(scales, biases), stream),
+                    as_read(biases, scale_dtype(scales, biases), stream)});
 }
 
 static PackedWeights weights_of(const mx::array& w, const mx::array& scales, const mx::array& biases, int group_size,
                                 int bits) {
-  return PackedWeights{reinterpret_cast<const uint8_t*>(w.data<uint32_t>()), scales.data<float>(), biases.data<float>(),
-                       w.shape(0), static_cast<int64_t>(w.shape(1)) * 32 / bits, group_size, bits};
+  const auto type = scales.dtype() == mx::bfloat16 ? ScaleType::bf16
+                    : scales.dtype() == mx::float16 ? ScaleType::f16
+                                                     : ScaleType::f32;
+  return PackedWeights{reinterpret_cast<const uint8_t*>(w.data<uint32_t>()), scales.data<void>(), biases.data<void>(),
+                       w.shape(0), static_cast<int64_t>(w.shape(1)) * 32 / bits, group_size, bits, type};
 }
 
 void PackedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {

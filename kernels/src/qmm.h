@@ -20,14 +20,19 @@
 
 namespace zoo {
 
+// How scales and biases are stored: float32, or as the checkpoint keeps them (bfloat16 or float16,
+// read as they are: converting them on load would add 2 bytes a group to every token's reads).
+enum class ScaleType { f32 = 0, bf16 = 1, f16 = 2 };
+
 struct PackedWeights {
   const uint8_t* w;      // row n starts at w + n * row_bytes()
-  const float* scales;   // [N, G]
-  const float* biases;   // [N, G]
+  const void* scales;    // [N, G] of scale_type
+  const void* biases;    // [N, G] of scale_type
   int64_t N;
   int64_t K;
   int group;
   int bits;
+  ScaleType scale_type;
   int64_t row_bytes() const { return K * bits / 8; }
   int64_t groups() const { return K / group; }
 };

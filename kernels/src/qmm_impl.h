@@ -15,10 +15,40 @@ namespace {
 
 using F = V::F;
 
+// Scales and biases as float: float32 as is, bfloat16 by a shift, float16 by its bit fields (no
+// F16C instruction needed; one conversion a group).
+struct Bf16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+
+inline float as_float(float v) { return v; }
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline float as_float(Bf16 v) { return bits_to_float(static_cast<uint32_t>(v.bits) << 16); }
+
+inline float as_float(F16 v) {
+  const uint32_t sign = static_cast<uint32_t>(v.bits & 0x8000) << 16;
+  const uint32_t exponent = (v.bits >> 10) & 0x1f;
+  const uint32_t mantissa = v.bits & 0x3ff;
+  if (exponent == 0x1f) return bits_to_float(sign | 0x7f800000 | (mantissa << 13));  // inf, nan
+  if (exponent != 0) return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  // zero and subnormals: mantissa * 2^-24
+  const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+  return sign ? -magnitude : magnitude;
+}
+
 // One tile: NR weight rows (from row pointer w, scale/bias rows sc/bi) times MT activation rows.
-template <int BITS, int MT, int NR>
+template <int BITS, int MT, int NR, class S>
 inline void tile(const float* xp, const float* xs, int64_t K, int64_t G, int group,
-                 const uint8_t* w, int64_t row_bytes, const float* sc, const float* bi,
+                 const uint8_t* w, int64_t row_bytes, const S* sc, const S* bi,
                  float* y, int64_t ldy) {
   F tot[NR][MT];
   for (int r = 0; r < NR; ++r)
@@ -52,63 +82,67 @@ inline void tile(const float* xp, const float* xs, int64_t K, int64_t G, int gro
       }
     }
     for (int r = 0; r < NR; ++r) {
-      const F s = V::set1(sc[r * G + g]);
+      const F s = V::set1(as_float(sc[r * G + g]));
       for (int m = 0; m < MT; ++m) tot[r][m] = V::fma(acc[r][m], s, tot[r][m]);
     }
   }
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MT; ++m) {
       float b = 0.0f;
-      for (int64_t g = 0; g < G; ++g) b += bi[r * G + g] * xs[m * G + g];
+      for (int64_t g = 0; g < G; ++g) b += as_float(bi[r * G + g]) * xs[m * G + g];
       y[m * ldy + r] = V::sum(tot[r][m]) + b;
     }
 }
 
 // Rows [n0, n1) for MT activation rows starting at row m0: NR rows at a time, then one by one.
-template <int BITS, int MT, int NR>
+template <int BITS, int MT, int NR, class S>
 inline void rows_mt(const Prepared& a, const PackedWeights& p, int64_t m0, int64_t n0, int64_t n1, float* y) {
   const int64_t K = p.K, G = p.groups(), rb = p.row_bytes();
   const float* xp = a.x + m0 * K;
   const float* xs = a.sums + m0 * G;
+  const S* sc = static_cast<const S*>(p.scales);
+  const S* bi = static_cast<const S*>(p.biases);
   float* ym = y + m0 * p.N;
   int64_t n = n0;
   for (; n + NR <= n1; n += NR)
-    tile<BITS, MT, NR>(xp, xs, K, G, p.group, p.w + n * rb, rb, p.scales + n * G, p.biases + n * G, ym + n, p.N);
+    tile<BITS, MT, NR, S>(xp, xs, K, G, p.group, p.w + n * rb, rb, sc + n * G, bi + n * G, ym + n, p.N);
   for (; n < n1; ++n)
-    tile<BITS, MT, 1>(xp, xs, K, G, p.group, p.w + n * rb, rb, p.scales + n * G, p.biases + n * G, ym + n, p.N);
+    tile<BITS, MT, 1, S>(xp, xs, K, G, p.group, p.w + n * rb, rb, sc + n * G, bi + n * G, ym + n, p.N);
 }
 
 // Weight rows outermost (read from memory once), activation rows in tiles of up to 4 inside,
 // over blocks of 16 weight rows (they stay in L1 between the tiles).
-template <int BITS>
+template <int BITS, class S>
 inline void rows_bits(const Prepared& a, const PackedWeights& p, int64_t n0, int64_t n1, float* y) {
   if (a.M == 1) {
-    rows_mt<BITS, 1, 4>(a, p, 0, n0, n1, y);
+    rows_mt<BITS, 1, 4, S>(a, p, 0, n0, n1, y);
     return;
   }
   const int64_t block = 16;
   for (int64_t b0 = n0; b0 < n1; b0 += block) {
     const int64_t b1 = b0 + block < n1 ? b0 + block : n1;
     int64_t m = 0;
-    for (; m + 4 <= a.M; m += 4) rows_mt<BITS, 4, V::NR4>(a, p, m, b0, b1, y);
+    for (; m + 4 <= a.M; m += 4) rows_mt<BITS, 4, V::NR4, S>(a, p, m, b0, b1, y);
     switch (a.M - m) {
-      case 3: rows_mt<BITS, 3, 1>(a, p, m, b0, b1, y); break;
-      case 2: rows_mt<BITS, 2, 2>(a, p, m, b0, b1, y); break;
-      case 1: rows_mt<BITS, 1, 4>(a, p, m, b0, b1, y); break;
+      case 3: rows_mt<BITS, 3, 1, S>(a, p, m, b0, b1, y); break;
+      case 2: rows_mt<BITS, 2, 2, S>(a, p, m, b0, b1, y); break;
+      case 1: rows_mt<BITS, 1, 4, S>(a, p, m, b0, b1, y); break;
       default: break;
     }
   }
 }
 
-template <int BITS>
+template <int BITS, class S>
 inline void dequant_bits(const PackedWeights& p, int64_t n0, int64_t n1, float* out) {
   const int64_t K = p.K, G = p.groups(), rb = p.row_bytes();
+  const S* sc = static_cast<const S*>(p.scales);
+  const S* bi = static_cast<const S*>(p.biases);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = p.w + n * rb;
     float* o = out + n * K;
     for (int64_t g = 0; g < G; ++g) {
-      const F s = V::set1(p.scales[n * G + g]);
-      const F b = V::set1(p.biases[n * G + g]);
+      const F s = V::set1(as_float(sc[n * G + g]));
+      const F b = V::set1(as_float(bi[n * G + g]));
       const int64_t k0 = g * p.group;
       if (BITS == 8) {
         for (int64_t k = k0; k < k0 + p.group; k += V::L) V::store(o + k, V::fma(V::u8(w + k), s, b));
@@ -124,18 +158,36 @@ inline void dequant_bits(const PackedWeights& p, int64_t n0, int64_t n1, float* 
   }
 }
 
+template <int BITS>
+inline void rows_scaled(const Prepared& a, const PackedWeights& p, int64_t n0, int64_t n1, float* y) {
+  switch (p.scale_type) {
+    case ScaleType::bf16: rows_bits<BITS, Bf16>(a, p, n0, n1, y); break;
+    case ScaleType::f16: rows_bits<BITS, F16>(a, p, n0, n1, y); break;
+    default: rows_bits<BITS, float>(a, p, n0, n1, y); break;
+  }
+}
+
+template <int BITS>
+inline void dequant_scaled(const PackedWeights& p, int64_t n0, int64_t n1, float* out) {
+  switch (p.scale_type) {
+    case ScaleType::bf16: dequant_bits<BITS, Bf16>(p, n0, n1, out); break;
+    case ScaleType::f16: dequant_bits<BITS, F16>(p, n0, n1, out); break;
+    default: dequant_bits<BITS, float>(p, n0, n1, out); break;
+  }
+}
+
 }  // namespace
 
 void rows(const Prepared& a, const PackedWeights& p, int64_t n0, int64_t n1, float* y) {
   if (p.bits == 8)
-    rows_bits<8>(a, p, n0, n1, y);
+    rows_scaled<8>(a, p, n0, n1, y);
   else
-    rows_bits<4>(a, p, n0, n1, y);
+    rows_scaled<4>(a, p, n0, n1, y);
 }
 
 void dequantize(const PackedWeights& p, int64_t n0, int64_t n1, float* out) {
   if (p.bits == 8)
-    dequant_bits<8>(p, n0, n1, out);
+    dequant_scaled<8>(p, n0, n1, out);
   else
-    dequant_bits<4>(p, n0, n1, out);
+    dequant_scaled<4>(p, n0, n1, out);
 }
