@@ -128,3 +128,20 @@ def test_settings_we_cannot_honour_are_refused_by_name(folder, image_settings, w
     model = models.load(str(folder), tokenizer=False)
     with pytest.raises(ProcessorSettingsError, match=word):
         model.process_images([photo()])
+
+
+def test_mlx_vlm_audio_keys_are_read_and_checked(tmp_path):
+    """mlx-vlm's Gemma 4 save_pretrained writes its feature extractor's mel settings: the values
+    that equal ours load (its chunking keys are not used), a different one is refused by name."""
+    from models.processing.settings import ProcessorSettings
+
+    written = {"feature_extractor": {"feature_extractor_type": "Gemma4AudioFeatureExtractor", "sampling_rate": 16000,
+               "num_mel_filters": 128, "fft_length": 512, "hop_length": 160, "chunk_duration": 8.0,
+               "overlap_duration": 1.0}, "audio_ms_per_token": 40}  # fmt: skip
+    (tmp_path / "processor_config.json").write_text(json.dumps(written))
+    settings = ProcessorSettings.from_folder(tmp_path)
+    assert settings.audio["feature_size"] == 128 and settings.audio["hop_length_ms"] == 10.0
+    written["feature_extractor"]["hop_length"] = 320
+    (tmp_path / "processor_config.json").write_text(json.dumps(written))
+    with pytest.raises(ProcessorSettingsError, match="hop_length 320 differs from the 160"):
+        ProcessorSettings.from_folder(tmp_path)

@@ -22,6 +22,7 @@ flat single part (told apart by its ``*_type`` key) or the same nesting. Both fi
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -61,10 +62,15 @@ _MLX_VLM_UNIFIED_KEYS = {
     "video": {"model_patch_size", "default_fps"},
     "audio": {"num_mel_filters", "fft_length", "hop_length", "chunk_duration", "overlap_duration"},
 }
+# mlx-vlm 0.7.10's Gemma 4 ``save_pretrained`` writes its own feature extractor's settings when a
+# folder's processor_config.json has none: the mel bins, FFT and hop in samples (checked against
+# ours below) and its long-audio chunking (``chunk_duration``, ``overlap_duration``; the reference
+# has no such chunking, and clips past the token cap are refused here: read and not used).
+_MLX_VLM_GEMMA4_KEYS = {"audio": {"num_mel_filters", "fft_length", "hop_length", "chunk_duration", "overlap_duration"}}
 # Per model family: the feature extractor's settings (with their defaults) and the keys written by
 # a peer's conversion that are read and not used.
 FAMILIES: dict[str, tuple[dict[str, Any], dict[str, set[str]]]] = {
-    "gemma4": (AUDIO_DEFAULTS, {}),
+    "gemma4": (AUDIO_DEFAULTS, _MLX_VLM_GEMMA4_KEYS),
     "gemma4_unified": (UNIFIED_AUDIO_DEFAULTS, _MLX_VLM_UNIFIED_KEYS),
 }
 PROCESSOR_DEFAULTS: dict[str, Any] = dict(image_seq_length=280, audio_seq_length=750, audio_ms_per_token=40)
@@ -188,6 +194,20 @@ class ProcessorSettings:
             raise ProcessorSettingsError(
                 f"{self.source['audio']} in {folder}: feature_size {self.audio['feature_size']} mel bins; the Gemma 4 audio tower reads 128"
             )
+        if family == "gemma4":
+            audio, rate = self.audio, self.audio["sampling_rate"]
+            frame = round(audio["frame_length_ms"] * rate / 1000)
+            ours = {  # the mlx-vlm spellings of our settings (transformers' Gemma4AudioFeatureExtractor FFT size)
+                "num_mel_filters": audio["feature_size"],
+                "hop_length": round(audio["hop_length_ms"] * rate / 1000),
+                "fft_length": 2 ** math.ceil(math.log2(frame)) * (2 if audio["fft_overdrive"] else 1),
+            }
+            for key, value in ours.items():
+                if key in found["audio"] and found["audio"][key] != value:
+                    raise ProcessorSettingsError(
+                        f"{self.source['audio']} in {folder}: audio {key} {found['audio'][key]!r} differs from the "
+                        f"{value} these settings give (feature_size, hop_length_ms, frame_length_ms)"
+                    )
         if self.video["fps"] is not None and self.video["num_frames"] is not None:
             raise ProcessorSettingsError(f"{self.source['video']} in {folder}: num_frames and fps are mutually exclusive (as in transformers)")
 
