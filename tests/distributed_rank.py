@@ -22,6 +22,8 @@ from models.generation.generate import KVQuantization, SamplingOptions
 
 import mlx.core as mx  # noqa: E402  (after models: the fast BLAS first)
 
+JOB_TIMEOUT = 300
+
 
 def image(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (100, 150, 3), dtype=np.uint8)
@@ -85,9 +87,10 @@ def main(argv=None) -> int:
     (jobs_file,) = argv if argv is not None else sys.argv[1:]
     jobs = json.loads(Path(jobs_file).read_text())
     group = parallel.init()
+    guard = parallel.Watchdog(group, JOB_TIMEOUT)  # no rank outlives a stuck job, whatever the test does
     try:
         for job in jobs:
-            with parallel.rank_errors(group):
+            with parallel.rank_errors(group), guard.step(f"job {job['name']}"):
                 results = run(job, group)
             np.savez(Path(job["out"]) / f"{job['name']}.rank{group.rank()}.npz", **results)
     except parallel.RankLostError as err:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -83,7 +84,20 @@ def launch(jobs: list[dict], ranks: int, directory: Path, timeout: float = 600) 
         launcher, "-n", str(ranks), "--backend", "ring", "--starting-port", str(free_ports(ranks)),
         "--python", sys.executable, "-m", "tests.distributed_rank", str(write_jobs(jobs, directory)),
     ]  # fmt: skip
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return run_group(command, timeout)
+
+
+def run_group(command: list[str], timeout: float, input: str | None = None) -> subprocess.CompletedProcess:
+    """``command`` in its own process group, all of which (the launcher and its ranks) is killed at ``timeout``."""
+    with subprocess.Popen(command, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:  # fmt: skip
+        try:
+            out, err = process.communicate(input, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            out, err = process.communicate()
+            raise AssertionError(f"{' '.join(command[:3])} ... ran past {timeout} s and was killed\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 @dataclass

@@ -21,7 +21,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from models.assets.gemma4_tokenizer import gemma4_tokenizer_dir  # noqa: E402
-from tests.distributed_tiny import REPO, free_ports  # noqa: E402
+from tests.distributed_tiny import REPO, free_ports, run_group  # noqa: E402
 from tests.hf_tiny import BASE, T5_TEXT, T5_VISION, F, S, save_causal_lm  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -61,10 +61,10 @@ def vision_checkpoint(tmp_path_factory):
     return with_tokenizer(folder)
 
 
-def launched(arguments: list[str], **run) -> subprocess.CompletedProcess:
+def launched(arguments: list[str], input: str | None = None) -> subprocess.CompletedProcess:
     command = [shutil.which("mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(free_ports(2)), "--python",
                sys.executable, *arguments]  # fmt: skip
-    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=600, **run)
+    return run_group(command, 600, input)
 
 
 def chat_command(folder) -> list[str]:

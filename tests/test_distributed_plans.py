@@ -75,7 +75,8 @@ def test_pipeline_reads_only_its_layers_and_its_per_layer_columns():
     assert (second.start, second.end) == (4, 8)
     assert second.part_of("model.layers.3.mlp.up_proj.weight", (128, 64)) == SKIP
     assert second.part_of("model.layers.4.mlp.up_proj.weight", (128, 64)) is None
-    assert second.part_of("model.embed_tokens.weight", (256, 64)) is None  # every stage embeds and reads the head
+    assert second.part_of("model.embed_tokens.weight", (256, 64)) == Part(0, ((Fraction(1, 2), Fraction(1)),))  # vocabulary rows
+    assert second.part_of("model.norm.weight", (64,)) is None
     assert second.part_of("model.embed_tokens_per_layer.weight", (256, 128)) == Part(-1, ((Fraction(1, 2), Fraction(1)),))
     assert second.part_of("model.per_layer_model_projection.weight", (128, 64)) == Part(0, ((Fraction(1, 2), Fraction(1)),))
 

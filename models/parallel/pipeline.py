@@ -3,9 +3,11 @@
 Rank 0 runs the first layers (and holds the media towers), the last rank the last ones; each
 stage receives the hidden states from the rank before it (``recv``) and sends its own on
 (``send``), and the last stage's output reaches every rank (``all_gather``), where the final norm
-and the head make the logits, so every rank samples the same token from the same numbers. Every
-stage keeps the embedding table (the first stage embeds, every stage's head reads it) and, of
-Gemma 4's per-layer inputs, the table columns and projection rows of its own layers.
+and the head make the logits, so every rank samples the same token from the same numbers. The
+embedding table is split by vocabulary rows as in tensor parallelism (``modules.vocabulary_rows``:
+every rank looks up the ids it holds, one ``all_sum``; the tied head gathers every rank's rows of
+the logits), so no rank holds the whole table; of Gemma 4's per-layer inputs each rank holds the
+table columns and projection rows of its own layers.
 
 The plan (``stage_bounds``) splits the layers evenly, except that a KV-shared layer stays on the
 rank of the layer whose keys and values it reads: the layers from the first donor on form one
@@ -28,10 +30,10 @@ import mlx.nn as nn
 
 from cache import Read, advance
 from graphs.diffusion_gemma_config import DiffusionGemmaConfig
-from graphs.layers import CheckedCaches, float_dtype
+from graphs.layers import CheckedCaches
 from weights.shards import SKIP, Decision, Part
 
-from models.parallel.modules import layer_columns
+from models.parallel.modules import layer_columns, vocabulary_rows
 from models.parallel.sharding import LAYER_KEY, Sharding, decoder_of
 
 # Prefill micro-batches: at most this many per chunk and ranks, and none shorter than MIN_MICRO_BATCH positions.
@@ -76,6 +78,8 @@ class PipelineParallel(Sharding):
         except ValueError as err:
             raise self.refuse(str(err)) from None
         self.start, self.end = self.bounds[self.rank], self.bounds[self.rank + 1]
+        if text.vocab_size % self.size:
+            raise self.refuse(f"vocab_size {text.vocab_size} is not a multiple of {self.size}")
 
     def details(self) -> dict[str, Any]:
         return {"stages": self.bounds}
@@ -91,6 +95,8 @@ class PipelineParallel(Sharding):
             return Part(-1, mine)
         if module == "per_layer_model_projection":
             return Part(0, mine)
+        if module in ("embed_tokens", "lm_head"):
+            return Part(0, ((Fraction(self.rank, self.size), Fraction(self.rank + 1, self.size)),))
         return None
 
     def shape(self, graph: nn.Module) -> None:
@@ -98,6 +104,10 @@ class PipelineParallel(Sharding):
         for i in range(len(decoder.layers)):
             if not self.start <= i < self.end:
                 decoder.layers[i] = Elsewhere()
+        H, rows = self.text.hidden_size, self.text.vocab_size // self.size
+        decoder.embed_tokens = nn.Embedding(rows, H)
+        if "lm_head" in decoder:
+            decoder.lm_head = nn.Linear(H, rows, bias="bias" in decoder.lm_head)
         P = self.text.hidden_size_per_layer_input
         if P:
             width = (self.end - self.start) * P
@@ -106,6 +116,10 @@ class PipelineParallel(Sharding):
 
     def join(self, graph: nn.Module) -> nn.Module:
         decoder = decoder_of(graph)
+        decoder.embed_tokens = vocabulary_rows(decoder.embed_tokens, self.rank * self.text.vocab_size // self.size, self.group)
+        if "lm_head" in decoder:
+            decoder.lm_head = vocabulary_rows(decoder.lm_head, 0, self.group)
+        decoder.head_blocks = None  # row blocks of the split head would skip the gather (graphs.speedups)
         P, L = self.text.hidden_size_per_layer_input, self.text.num_hidden_layers
         if P:
             before, after = self.start * P, (L - self.end) * P
@@ -127,7 +141,6 @@ class PipelineStage(CheckedCaches, nn.Module):
         self.decoder = decoder
         self.group, self.rank, self.size = group, group.rank(), group.size()
         self.start, self.end = bounds[self.rank], bounds[self.rank + 1]
-        self.dtype = float_dtype(decoder.embed_tokens)
         self.micro_batches = MICRO_BATCHES_PER_RANK * self.size
 
     @property
@@ -145,17 +158,25 @@ class PipelineStage(CheckedCaches, nn.Module):
     def forward(self, tokens, cache: list, read: Read, last_only: bool = False, with_hidden: bool = False):
         """As ``Gemma4TextModel.forward``: the logits (and the final normed hidden states), on every rank."""
         self.check_cache(cache)
-        length = getattr(tokens, "ids", tokens).shape[1]
-        pieces = self._micro_batches(tokens, read, length)
+        decoder = self.decoder
+        # Every rank embeds the whole chunk (the lookup is split over the ranks' vocabulary rows; the
+        # per-layer inputs are each rank's own layers'), once, before the micro-batches.
+        embedded = decoder.embed(tokens)
+        per_layer = decoder.per_layer_inputs(tokens, embedded) if "embed_tokens_per_layer" in decoder else None
+        # Collectives must meet in the same order on every rank, and the stages' graphs differ (only
+        # rank 0 reads the embedding, only the others wait on a recv): so each one is evaluated in turn.
+        mx.eval(embedded if per_layer is None else (embedded, per_layer))
+        pieces = self._micro_batches(tokens, read, embedded.shape[1])
         finals = []
         for n, (a, b) in enumerate(pieces):
             final = n == len(pieces) - 1
             need = "all" if not last_only else ("last" if final else "none")
-            h = self._stage(tokens if len(pieces) == 1 else tokens[:, a:b], cache, read, need)
+            part = (embedded, per_layer) if len(pieces) == 1 else (embedded[:, a:b], None if per_layer is None else per_layer[:, a:b])
+            h = self._stage(*part, cache, read, need)
             if h is not None:
                 finals.append(h)
-        h = self.decoder.norm(finals[0] if len(finals) == 1 else mx.concatenate(finals, axis=1))
-        logits = self.decoder.logits(h)
+        h = decoder.norm(finals[0] if len(finals) == 1 else mx.concatenate(finals, axis=1))
+        logits = decoder.logits(h)
         return (logits, h) if with_hidden else logits
 
     def _micro_batches(self, tokens, read: Read, length: int) -> list[tuple[int, int]]:
@@ -166,20 +187,13 @@ class PipelineStage(CheckedCaches, nn.Module):
         bounds = [round(k * length / count) for k in range(count + 1)]
         return list(zip(bounds, bounds[1:]))
 
-    def _stage(self, tokens, cache: list, read: Read, need: str) -> mx.array | None:
+    def _stage(self, embedded: mx.array, per_layer: mx.array | None, cache: list, read: Read, need: str) -> mx.array | None:
         """This rank's layers on one micro-batch; the last stage's output on every rank (``need``:
         every position, the last one, or none when only the caches are wanted)."""
-        decoder, first, last = self.decoder, self.rank == 0, self.rank == self.size - 1
-        ids = getattr(tokens, "ids", tokens)
-        B, L = ids.shape
+        decoder, last = self.decoder, self.rank == self.size - 1
+        B, L, H = embedded.shape
         offset = cache[0].offset  # the stage's first layer owns storage (KV-shared layers follow their donor)
-        has_ple = "embed_tokens_per_layer" in decoder
-        embedded = decoder.embed(tokens) if first or has_ple else None
-        per_layer = decoder.per_layer_inputs(tokens, embedded) if has_ple else None
-        if first:
-            h = embedded
-        else:
-            h = mx.distributed.recv((B, L, decoder.config.hidden_size), self.dtype, self.rank - 1, group=self.group)
+        h = embedded if self.rank == 0 else mx.distributed.recv((B, L, H), embedded.dtype, self.rank - 1, group=self.group)
         for i in range(self.start, self.end):
             if need != "all" and i == decoder.config.first_kv_shared_layer:
                 # No later layer writes a cache: only the last position goes on (or none at all).
@@ -200,4 +214,6 @@ class PipelineStage(CheckedCaches, nn.Module):
         if self.size == 1:
             return h
         # Every rank's last-stage output: the last rank's rows of the gather (the others' are placeholders).
-        return mx.distributed.all_gather(h, group=self.group)[(self.size - 1) * B :]
+        final = mx.distributed.all_gather(h, group=self.group)[(self.size - 1) * B :]
+        mx.eval(final)
+        return final
