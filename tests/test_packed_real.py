@@ -14,8 +14,6 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from weights.resolve import ModelNotAvailableError
-
 transformers = pytest.importorskip("transformers")
 
 import kernels  # noqa: E402
@@ -23,40 +21,15 @@ import models  # noqa: E402
 import zoo_switches  # noqa: E402
 from models.zoo import ZOO  # noqa: E402
 from tests import quant_tiny as qt  # noqa: E402
-from tests.test_gemma3_real_weights import TEXT  # noqa: E402
+from tests.test_quantized_weights_real import N, folder, ids, reference_logits  # noqa: E402,F401  (fixtures)
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not kernels.status().available, reason=f"packed kernels unavailable: {kernels.describe()}"),
 ]
 
-N = 256
 # zoo name -> (max mean KL, min top-1 agreement) against float32
 BOUNDS = {"gemma-3-270m-8bit": (0.03, 0.92), "gemma-3-270m-4bit": (4.0, 0.25)}
-
-
-@pytest.fixture(scope="module")
-def folder():
-    from models.assets.gemma3_270m import gemma3_270m_folder
-
-    try:
-        return gemma3_270m_folder()
-    except ModelNotAvailableError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
-def ids(folder) -> list[int]:
-    ids = transformers.AutoTokenizer.from_pretrained(folder)(TEXT).input_ids[:N]
-    assert len(ids) == N and ids[0] == 2
-    return ids
-
-
-@pytest.fixture(scope="module")
-def reference_logits(folder, ids):
-    logits = models.load(str(folder), tokenizer=False).logits([ids])
-    mx.eval(logits)
-    return logits
 
 
 def _chunked(model, ids: list[int], step: int) -> mx.array:

@@ -203,33 +203,30 @@ static void chunk_bounds(int64_t N, int chunks, int chunk, int64_t& n0, int64_t&
   if (n1 > N) n1 = N;
 }
 
+// A product or a dequantization over rows [n0, n1) of the weight, run chunk by chunk.
 struct MatmulJob {
   Prepared a;
   PackedWeights p;
   RowsFn fn;
   float* y;
   int chunks;
+  void run(int64_t n0, int64_t n1) const { fn(a, p, n0, n1, y); }
 };
-
-static void matmul_chunk(void* ctx, int chunk) {
-  auto* job = static_cast<MatmulJob*>(ctx);
-  int64_t n0, n1;
-  chunk_bounds(job->p.N, job->chunks, chunk, n0, n1);
-  if (n0 < n1) job->fn(job->a, job->p, n0, n1, job->y);
-}
 
 struct DequantJob {
   PackedWeights p;
   DequantFn fn;
   float* out;
   int chunks;
+  void run(int64_t n0, int64_t n1) const { fn(p, n0, n1, out); }
 };
 
-static void dequant_chunk(void* ctx, int chunk) {
-  auto* job = static_cast<DequantJob*>(ctx);
+template <class J>
+static void run_chunk(void* ctx, int chunk) {
+  const auto* job = static_cast<const J*>(ctx);
   int64_t n0, n1;
   chunk_bounds(job->p.N, job->chunks, chunk, n0, n1);
-  if (n0 < n1) job->fn(job->p, n0, n1, job->out);
+  if (n0 < n1) job->run(n0, n1);
 }
 
 // The activations in the kernel's order (see Prepared) and their group sums.
@@ -258,7 +255,7 @@ static void run_matmul(const float* x, int64_t M, const PackedWeights& p, Isa is
   std::vector<float> xp, sums;
   prepare_x(x, M, p.K, p.group, p.bits, isa_lanes(isa), xp, sums);
   MatmulJob job{{xp.empty() ? x : xp.data(), sums.data(), M}, p, rows_fn(isa), y, chunks_for(p, M)};
-  Pool::get().run(job.chunks, matmul_chunk, &job);
+  Pool::get().run(job.chunks, run_chunk<MatmulJob>, &job);
 }
 
 // ------------------------------------------------------------------------------------ the ops
@@ -390,16 +387,12 @@ void PackedDequantize::eval_cpu(const std::vector<mx::array>& inputs, mx::array&
                     o = out.data<float>()]() {
     if (p.N == 0) return;
     DequantJob job{p, dequant_fn(isa), o, chunks_for(p, 1)};
-    Pool::get().run(job.chunks, dequant_chunk, &job);
+    Pool::get().run(job.chunks, run_chunk<DequantJob>, &job);
   });
 }
 
-void PackedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("PackedMatmul runs on MLX's CPU device only");
-}
-
-void PackedDequantize::eval_gpu(const std::vector<mx::array>&, mx::array&) {
-  throw std::runtime_error("PackedDequantize runs on MLX's CPU device only");
+void PackedPrimitive::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error(std::string(name()) + " runs on MLX's CPU device only");
 }
 
 std::vector<mx::Shape> PackedMatmul::output_shapes(const std::vector<mx::array>& inputs) {
@@ -412,14 +405,9 @@ std::vector<mx::Shape> PackedDequantize::output_shapes(const std::vector<mx::arr
   return {{inputs[0].shape(0), inputs[0].shape(1) * 32 / bits_}};
 }
 
-bool PackedMatmul::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const PackedMatmul&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_ && isa_ == o.isa_;
-}
-
-bool PackedDequantize::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const PackedDequantize&>(other);
-  return group_size_ == o.group_size_ && bits_ == o.bits_ && isa_ == o.isa_;
+bool PackedPrimitive::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const PackedPrimitive&>(other);
+  return std::string(name()) == o.name() && group_size_ == o.group_size_ && bits_ == o.bits_ && isa_ == o.isa_;
 }
 
 std::string built_for_mlx() {

@@ -31,36 +31,34 @@ void set_threads(int n);
 // The MLX version the extension was compiled against (its headers).
 std::string built_for_mlx();
 
-class PackedMatmul : public mx::UnaryPrimitive {
+// What both primitives share: the layout (group size, bits), the kernels' instruction set, and no GPU.
+class PackedPrimitive : public mx::UnaryPrimitive {
  public:
-  PackedMatmul(mx::Stream stream, int group_size, int bits, Isa isa)
+  PackedPrimitive(mx::Stream stream, int group_size, int bits, Isa isa)
       : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), isa_(isa) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-  const char* name() const override { return "PackedMatmul"; }
   bool is_equivalent(const mx::Primitive& other) const override;
 
- private:
+ protected:
   int group_size_;
   int bits_;
   Isa isa_;
 };
 
-class PackedDequantize : public mx::UnaryPrimitive {
+class PackedMatmul : public PackedPrimitive {
  public:
-  PackedDequantize(mx::Stream stream, int group_size, int bits, Isa isa)
-      : mx::UnaryPrimitive(stream), group_size_(group_size), bits_(bits), isa_(isa) {}
+  using PackedPrimitive::PackedPrimitive;
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  const char* name() const override { return "PackedMatmul"; }
+};
+
+class PackedDequantize : public PackedPrimitive {
+ public:
+  using PackedPrimitive::PackedPrimitive;
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
   const char* name() const override { return "PackedDequantize"; }
-  bool is_equivalent(const mx::Primitive& other) const override;
-
- private:
-  int group_size_;
-  int bits_;
-  Isa isa_;
 };
 
 }  // namespace zoo
