@@ -156,7 +156,8 @@ def main() -> None:
     from benchmarks.speed import bandwidth_gbs, gemma3_folder, weights_per_token
 
     folder = gemma3_folder()
-    weight_bytes, _ = weights_per_token(folder)
+    parameters, _ = weights_per_token(folder)
+    weight_bytes = parameters * 4  # float32
     bandwidth = bandwidth_gbs()
     batches = [int(b) for b in args.batches.split(",")]
     results: dict = {}
