@@ -75,7 +75,8 @@ def test_pipeline_reads_only_its_layers_and_its_per_layer_columns():
     assert (second.start, second.end) == (4, 8)
     assert second.part_of("model.layers.3.mlp.up_proj.weight", (128, 64)) == SKIP
     assert second.part_of("model.layers.4.mlp.up_proj.weight", (128, 64)) is None
-    assert second.part_of("model.embed_tokens.weight", (256, 64)) == Part(0, ((Fraction(1, 2), Fraction(1)),))  # vocabulary rows
+    # vocabulary rows, read in the layout the CPU keeps the output head in
+    assert second.part_of("model.embed_tokens.weight", (256, 64)) == Part(0, ((Fraction(1, 2), Fraction(1)),), transposed=True)
     assert second.part_of("model.norm.weight", (64,)) is None
     assert second.part_of("model.embed_tokens_per_layer.weight", (256, 128)) == Part(-1, ((Fraction(1, 2), Fraction(1)),))
     assert second.part_of("model.per_layer_model_projection.weight", (128, 64)) == Part(0, ((Fraction(1, 2), Fraction(1)),))
@@ -90,7 +91,8 @@ def test_tensor_heads_columns_and_vocabulary_rows():
     assert plan.part_of("model.layers.0.self_attn.k_norm.weight", (32,)) is None
     assert plan.part_of("model.layers.0.mlp.down_proj.scales", (64, 1)) == Part(-1, half)
     assert plan.part_of("model.layers.0.self_attn.o_proj.bias", (64,)) is None  # added once, after the sum
-    assert plan.part_of("model.embed_tokens.weight", (256, 64)) == Part(0, half)
+    assert plan.part_of("model.embed_tokens.weight", (256, 64)) == Part(0, half, transposed=True)
+    assert plan.part_of("model.embed_tokens_per_layer.weight", (256, 64)) == Part(0, half)
     assert plan.part_of("model.norm.weight", (64,)) is None
 
 
@@ -157,7 +159,7 @@ def test_read_parts_reads_exactly_the_slices(tmp_path):
     mx.save_safetensors(str(tmp_path / "model.safetensors"), stored)
     third = Fraction(1, 3)
     plan = {
-        "a.weight": Part(0, ((third, 2 * third),)),
+        "a.weight": Part(0, ((third, 2 * third),), transposed=True),
         "b.weight": Part(-1, ((Fraction(1, 2), Fraction(1)),)),
         "c.weight": Part(1, ((Fraction(0), Fraction(1, 4)), (Fraction(1, 2), Fraction(3, 4)))),
         "d.weight": None,
@@ -176,3 +178,15 @@ def test_a_cut_off_the_groups_is_refused_by_name(tmp_path):
     mx.save_safetensors(str(tmp_path / "model.safetensors"), {"layers.0.o_proj.scales": mx.zeros((4, 5))})
     with pytest.raises(ShardError, match=r"layers.0.o_proj.scales: shape \[4, 5\] cannot be cut at 0..1/2 of axis -1"):
         read_parts(tmp_path, lambda key, shape: Part(-1, ((Fraction(0), Fraction(1, 2)),)))
+
+
+def test_a_transposed_part_is_relaid_out_without_a_copy(tmp_path):
+    table = mx.array(np.random.default_rng(0).standard_normal((512, 256)).astype(np.float32))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {"embed_tokens.weight": table})
+    weights, _ = read_parts(tmp_path, lambda key, shape: Part(0, ((Fraction(0), Fraction(1, 2)),), transposed=True))
+    held = weights["embed_tokens.weight"]
+    assert mx.array_equal(held, table[:256])
+    before = mx.get_active_memory()
+    relaid = mx.contiguous(held.T)  # what VocabularyHead.split_head does on the CPU
+    mx.eval(relaid)
+    assert mx.get_active_memory() == before

@@ -44,6 +44,9 @@ _DTYPES = {
 }  # fmt: skip
 
 
+_FLOATS = ("F32", "F16", "BF16")
+
+
 class ShardError(ValueError):
     """A tensor that cannot be cut the way a parallel plan asks (the message names key, shape and cut)."""
 
@@ -54,10 +57,16 @@ class Part:
     ``(start, stop)`` pair of fractions of that axis (``(Fraction(1, 2), Fraction(1))`` is the second
     half). Fractions let one part fit a float weight and its packed twin alike (a packed
     ``.weight`` holds 32/bits values a word, ``.scales`` and ``.biases`` one a group); a cut that
-    does not land on a whole index is a ``ShardError``."""
+    does not land on a whole index is a ``ShardError``.
+
+    ``transposed``: a 2-D float part is handed over as the transposed view of a contiguous copy of
+    its transpose, the layout the CPU keeps an output head in (``graphs.speedups.VocabularyHead``),
+    whose relayout then finds it done instead of holding a second copy of the table (packed
+    quantized tensors are read as stored)."""
 
     axis: int
     ranges: tuple[tuple[Fraction, Fraction], ...]
+    transposed: bool = False
 
     def bounds(self, key: str, shape: tuple[int, ...]) -> list[tuple[int, int]]:
         """The index ranges of this part in a tensor of ``shape``."""
@@ -135,5 +144,9 @@ def _read_part(path: Path, key: str, dtype: str, shape: tuple[int, ...], offset:
         values = np.concatenate(pieces, axis=part.axis) if len(pieces) > 1 else np.ascontiguousarray(pieces[0])
     finally:
         del mapped
+    transposed = part.transposed and values.ndim == 2 and dtype in _FLOATS
+    if transposed:
+        values = np.ascontiguousarray(values.T)
     array = mx.array(values)
-    return array.view(mlx_dtype) if array.dtype != mlx_dtype else array
+    array = array.view(mlx_dtype) if array.dtype != mlx_dtype else array
+    return array.T if transposed else array

@@ -96,7 +96,8 @@ class PipelineParallel(Sharding):
         if module == "per_layer_model_projection":
             return Part(0, mine)
         if module in ("embed_tokens", "lm_head"):
-            return Part(0, ((Fraction(self.rank, self.size), Fraction(self.rank + 1, self.size)),))
+            share = ((Fraction(self.rank, self.size), Fraction(self.rank + 1, self.size)),)
+            return Part(0, share, transposed=True)  # the output head's CPU layout
         return None
 
     def shape(self, graph: nn.Module) -> None:

@@ -117,7 +117,9 @@ class TensorParallel(Sharding):
         layer = LAYER_KEY.search(key)
         if layer is None:
             module = key.split(".")[-2] if "." in key else ""
-            if module in ("embed_tokens", "lm_head") and self.split_vocabulary or module == "embed_tokens_per_layer":
+            if module in ("embed_tokens", "lm_head") and self.split_vocabulary:
+                return Part(0, _share(r, N), transposed=True)  # the output head's CPU layout
+            if module == "embed_tokens_per_layer":
                 return Part(0, _share(r, N))
             if ".self_conditioning." in f".{key}" and module in ("gate_proj", "up_proj", "down_proj"):
                 return Part(-1 if module == "down_proj" else 0, _share(r, N))
