@@ -318,3 +318,23 @@ def test_a_body_past_the_limit_is_a_413(answer_model):
         assert code == 413 and "larger than 2000 bytes" in answer["error"]["message"]
         code, answer = http(url + "/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 40})
         assert code == 200 and answer["choices"][0]["message"]["content"] == ANSWER
+
+
+def test_a_failing_step_is_a_500_and_the_server_goes_on(answer_model, monkeypatch):
+    from models.generation.batch import BatchGenerator
+
+    real_step, failures = BatchGenerator.step, []
+
+    def step(self):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("injected failure")
+        return real_step(self)
+
+    monkeypatch.setattr(BatchGenerator, "step", step)
+    with running_server(answer_model) as url:
+        code, answer = http(url + "/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 40})
+        assert code == 500 and "injected failure" in answer["error"]["message"] and answer["error"]["type"] == "server_error"
+        code, answer = http(url + "/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 40})
+        assert code == 200 and answer["choices"][0]["message"]["content"] == ANSWER
+        assert http(url + "/metrics")[1]["requests_finished"]["error"] == 1
