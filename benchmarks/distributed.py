@@ -149,8 +149,10 @@ def child(which: str, mode: str, experts: str, prompt_length: int, gen: int, run
         prefill.append(prompt_length / first_s)
         decode.append((len(tokens) - 1) / rest_s)
     report = dict(
-        mode=mode if mode != "tensor" or which == "e2b" else f"tensor, experts by {experts}", rank=0 if group is None else group.rank(), load_s=load_seconds, prefill_tps=prefill, decode_tps=decode,
-        peak_gb=mx.get_peak_memory() / 1e9, resident_gb=resident, rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, tokens=tokens,
+        mode=mode if mode != "tensor" or which == "e2b" else f"tensor, experts by {experts}",
+        rank=0 if group is None else group.rank(), load_s=load_seconds, prefill_tps=prefill, decode_tps=decode,
+        peak_gb=mx.get_peak_memory() / 1e9, resident_gb=resident,
+        rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, tokens=tokens,
     )  # fmt: skip
     if group is not None:
         calls: list = []
@@ -176,7 +178,7 @@ def cell(values: list[float]) -> str:
 
 
 def table(title: str, reports: dict[str, list[dict]]) -> None:
-    single = reports["single"][0]
+    single = next(iter(reports.values()))[0]  # the single process comes first
     print(f"\n{title}")
     print("| run | rank | prefill tok/s | decode tok/s | MLX peak GB | x single | held after load GB | x single | peak RSS GB "
           "| collectives / decode step | comm per step |")  # fmt: skip
@@ -185,9 +187,9 @@ def table(title: str, reports: dict[str, list[dict]]) -> None:
         for r in ranks:
             comm = f"{r['collectives']} ({r['comm_kb']:.1f} kB) | {r['comm_ms']:.2f} ms" if "comm_ms" in r else "- | -"
             same = "" if r["tokens"] == single["tokens"] else " (tokens differ!)"
-            print(f"| {r['mode']}{same} | {r['rank']} | {cell(r['prefill_tps'])} | {cell(r['decode_tps'])} | {r['peak_gb']:.3f} | "
-                  f"{r['peak_gb'] / single['peak_gb']:.2f} | {r['resident_gb']:.3f} | {r['resident_gb'] / single['resident_gb']:.2f} | "
-                  f"{r['rss_gb']:.2f} | {comm} |")  # fmt: skip
+            peak, held = r["peak_gb"], r["resident_gb"]
+            print(f"| {r['mode']}{same} | {r['rank']} | {cell(r['prefill_tps'])} | {cell(r['decode_tps'])} | {peak:.3f} | "
+                  f"{peak / single['peak_gb']:.2f} | {held:.3f} | {held / single['resident_gb']:.2f} | {r['rss_gb']:.2f} | {comm} |")  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -214,7 +216,7 @@ def main(argv=None) -> int:
         for mode, experts in modes:
             command = [*this, which, mode, experts] if mode == "single" else [*launch, which, mode, experts]
             reports[f"{mode} {experts}"] = run(command, dict(os.environ) if mode == "single" else ranks_env)
-        shape = "E2B-shaped random Gemma 4 (benchmarks.gemma4_text_vs_mlx_lm)" if which == "e2b" else "MoE-shaped random Gemma 4 (MOE_SHAPED)"
+        shape = "E2B-shaped random Gemma 4 (benchmarks.gemma4_text_vs_mlx_lm)" if which == "e2b" else "MoE-shaped (MOE_SHAPED)"
         table(f"{shape}, prompt {args.prompt}, {args.gen} greedy tokens, {args.runs} runs; 2 ranks on loopback "
               "(mlx.launch --backend ring), one machine", reports)  # fmt: skip
     return 0

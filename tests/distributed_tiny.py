@@ -49,6 +49,17 @@ def save_text(name: str, directory: Path):
     return hf_tiny.save_causal_lm(CONFIGS[name], directory)
 
 
+def tiny_folders(root: Path, ids: list[int]) -> dict:
+    """Every checkpoint of ``CONFIGS`` and the multimodal T5 saved under ``root``: ``{name: folder}``,
+    plus ``"root"`` and ``"float64"``: transformers' float64 logits of ``ids`` for each text checkpoint."""
+    out: dict = {"root": root, "float64": {}, "multimodal": root / "multimodal"}
+    for name in CONFIGS:
+        out["float64"][name] = hf_tiny.float64_logits(save_text(name, root / name), [ids])
+        out[name] = root / name
+    hf_tiny.save_conditional_generation(out["multimodal"])
+    return out
+
+
 def free_ports(count: int) -> int:
     """The first of ``count`` consecutive free local ports (``mlx.launch --starting-port``)."""
     for _ in range(100):
@@ -96,7 +107,8 @@ def run_group(command: list[str], timeout: float, input: str | None = None) -> s
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             out, err = process.communicate()
-            raise AssertionError(f"{' '.join(command[:3])} ... ran past {timeout} s and was killed\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}") from None
+            log = f"stdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
+            raise AssertionError(f"{' '.join(command[:3])} ... ran past {timeout} s and was killed\n{log}") from None
     return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 

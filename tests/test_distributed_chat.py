@@ -57,7 +57,8 @@ def vision_checkpoint(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-gemma4-vision")
     torch.manual_seed(0)
     text = dict(T5_TEXT, vocab_size=262144, vocab_size_per_layer_input=262144)
-    Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=T5_VISION, audio_config=None)).save_pretrained(folder)
+    config = Gemma4Config(text_config=text, vision_config=T5_VISION, audio_config=None)
+    Gemma4ForConditionalGeneration(config).save_pretrained(folder)
     return with_tokenizer(folder)
 
 

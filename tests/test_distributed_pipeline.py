@@ -14,9 +14,8 @@ import pytest
 pytest.importorskip("transformers")
 
 from models.generation.generate import KVQuantization  # noqa: E402
-from tests import hf_tiny  # noqa: E402
 from tests.distributed_rank import image  # noqa: E402
-from tests.distributed_tiny import launch, results, save_text  # noqa: E402
+from tests.distributed_tiny import launch, results, tiny_folders  # noqa: E402
 from tests.distributed_tiny import IMAGE_PROMPT, NEAR, assert_logits_of, same_on_every_rank, single, worst  # noqa: E402
 
 LONG = [2] + [int(t) for t in np.random.default_rng(1).integers(3, 250, 95)]
@@ -29,14 +28,7 @@ def job(name: str, folder, task: str, out, **fields) -> dict:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("distributed_pipeline")
-    out = {"root": root, "float64": {}}
-    for name in ("ple_shared", "moe", "dense_untied"):
-        out["float64"][name] = hf_tiny.float64_logits(save_text(name, root / name), [LONG])
-        out[name] = root / name
-    hf_tiny.save_conditional_generation(root / "multimodal")
-    out["multimodal"] = root / "multimodal"
-    return out
+    return tiny_folders(tmp_path_factory.mktemp("distributed_pipeline"), LONG)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +77,8 @@ def test_greedy_generation_with_quantized_kv(two_ranks, folders):
 
 
 def test_moe(two_ranks, folders):
-    assert_logits_of(results(folders["root"], "moe_logits", 2, two_ranks), single(folders["moe"]), folders["float64"]["moe"], LONG)
+    ranks = results(folders["root"], "moe_logits", 2, two_ranks)
+    assert_logits_of(ranks, single(folders["moe"]), folders["float64"]["moe"], LONG)
 
 
 def test_image_prompt_with_the_tower_on_rank_0(two_ranks, folders):

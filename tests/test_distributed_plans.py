@@ -190,3 +190,8 @@ def test_a_transposed_part_is_relaid_out_without_a_copy(tmp_path):
     relaid = mx.contiguous(held.T)  # what VocabularyHead.split_head does on the CPU
     mx.eval(relaid)
     assert mx.get_active_memory() == before
+
+
+def test_other_families_are_refused_by_name(tmp_path):
+    with pytest.raises(ParallelSetupError, match="model_type 'gemma3_text' is not split across ranks; supported: gemma4_text"):
+        sharding_for("tensor", Group(0, 2)).read(tmp_path, {"model_type": "gemma3_text"})

@@ -18,10 +18,10 @@ import pytest
 pytest.importorskip("transformers")
 
 from models.generation.generate import KVQuantization  # noqa: E402
-from tests import diffusion_tiny, hf_tiny  # noqa: E402
+from tests import diffusion_tiny  # noqa: E402
 from tests.distributed_rank import cached_logits, image  # noqa: E402
 from tests.distributed_tiny import (  # noqa: E402
-    IMAGE_PROMPT, NEAR, assert_logits_of, launch, results, same_on_every_rank, save_text, single, worst,
+    IMAGE_PROMPT, NEAR, assert_logits_of, launch, results, same_on_every_rank, single, tiny_folders, worst,
 )  # fmt: skip
 
 LONG = [2] + [int(t) for t in np.random.default_rng(0).integers(3, 250, 47)]  # 48 positions: the windows (8) wrap
@@ -30,15 +30,9 @@ PROMPT = LONG[:12]
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("distributed_tensor")
-    out = {"root": root, "float64": {}}
-    for name in ("ple_shared", "moe", "dense_untied"):
-        hf_model = save_text(name, root / name)
-        out[name] = root / name
-        out["float64"][name] = hf_tiny.float64_logits(hf_model, [LONG])
-    hf_tiny.save_conditional_generation(root / "multimodal")
-    diffusion_tiny.save_diffusion("T7_gqa", root / "diffusion")
-    out.update(multimodal=root / "multimodal", diffusion=root / "diffusion")
+    out = tiny_folders(tmp_path_factory.mktemp("distributed_tensor"), LONG)
+    out["diffusion"] = out["root"] / "diffusion"
+    diffusion_tiny.save_diffusion("T7_gqa", out["diffusion"])
     return out
 
 

@@ -172,7 +172,10 @@ class PipelineStage(CheckedCaches, nn.Module):
         for n, (a, b) in enumerate(pieces):
             final = n == len(pieces) - 1
             need = "all" if not last_only else ("last" if final else "none")
-            part = (embedded, per_layer) if len(pieces) == 1 else (embedded[:, a:b], None if per_layer is None else per_layer[:, a:b])
+            if len(pieces) > 1:
+                part = (embedded[:, a:b], None if per_layer is None else per_layer[:, a:b])
+            else:
+                part = (embedded, per_layer)
             h = self._stage(*part, cache, read, need)
             if h is not None:
                 finals.append(h)

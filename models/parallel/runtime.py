@@ -134,7 +134,8 @@ def check_same(group: mx.distributed.Group, checkpoint: str, plan: dict) -> None
         bad = [r for r in range(group.size()) if rows[r][column] != rows[0][column]]
         if bad:
             where = ", ".join(f"rank {r} on {rows[r][2]}" for r in bad)
-            problems.append(f"{where} {'holds a different' if column == 0 else 'runs a different'} {what} than rank 0 on {rows[0][2]}")
+            verb = "holds a different" if column == 0 else "runs a different"
+            problems.append(f"{where} {verb} {what} than rank 0 on {rows[0][2]}")
     if problems:
         raise ParallelSetupError(
             f"{describe(group)}: the ranks do not agree: " + "; ".join(problems) + f". This rank's plan: {plan_text}"

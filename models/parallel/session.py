@@ -41,8 +41,9 @@ def shared_seed(group: mx.distributed.Group, seed: int | None) -> int:
 
 def share_images(group: mx.distributed.Group, images: Sequence[ProcessedImage] | None) -> list[ProcessedImage]:
     """Rank 0's processed images on every rank (the others pass None)."""
-    fields = share_json(group, [{name: getattr(i, name) for name in _IMAGE_FIELDS} for i in images] if images is not None else None)
-    arrays = share_arrays(group, [a for i in images for a in (i.patches, i.position_ids)] if images is not None else None)
+    mine = images is not None
+    fields = share_json(group, [{name: getattr(i, name) for name in _IMAGE_FIELDS} for i in images] if mine else None)
+    arrays = share_arrays(group, [a for i in images for a in (i.patches, i.position_ids)] if mine else None)
     return [
         ProcessedImage(np.array(arrays[2 * n]), np.array(arrays[2 * n + 1]), **{k: f[k] for k in _IMAGE_FIELDS})
         for n, f in enumerate(fields)
@@ -70,7 +71,9 @@ class LeadSession:
     def cache(self):
         raise ValueError("with --parallel each rank holds only its part of the KV caches; they cannot be saved or loaded")
 
-    def send(self, text: str, should_stop=lambda: False, images: Sequence = (), audio: Sequence = (), videos: Sequence = ()) -> Iterator[str]:
+    def send(
+        self, text: str, should_stop=lambda: False, images: Sequence = (), audio: Sequence = (), videos: Sequence = ()
+    ) -> Iterator[str]:
         if audio or videos:
             raise ValueError("audio and video prompts are not split across ranks yet; run without --parallel for them")
         images = [i if isinstance(i, ProcessedImage) else self.session.model.process_images([i])[0] for i in images]

@@ -11,7 +11,7 @@
    mapping; ranks other than 0 then drop the vision and audio towers, whose weights were never read;
 3. ``connect(graph)``, after the device preparation (quantized layers may have been dequantized):
    the collectives go in (``modules``), the media features are shared from rank 0, and the weights
-   are evaluated. It returns the graph the ``Model`` wraps.
+   are evaluated, module by module. It returns the graph the ``Model`` wraps.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from weights.safetensors_io import checkpoint_files, tensor_entries
 from weights.shards import STAND_IN, Decision, read_parts
@@ -32,6 +33,8 @@ from models.parallel.modules import SharedFeatures
 from models.parallel.runtime import ParallelSetupError, check_same, checkpoint_digest, describe
 from models.registry import architecture_for
 
+# The checkpoints the plans know how to split (Gemma 4 text, Gemma 4 with media towers, DiffusionGemma).
+SUPPORTED = ("gemma4_text", "gemma4", "diffusion_gemma")
 # Graph parts that only rank 0 holds: the media towers and their embedders.
 TOWERS = ("vision_tower", "embed_vision", "audio_tower", "embed_audio")
 # A checkpoint key inside decoder layer i: ``...layers.{i}.{rest}``.
@@ -57,6 +60,8 @@ class Sharding(ABC):
 
     # ------------------------------------------------------------------------------ the loader's calls
     def read(self, folder: Path, raw: Mapping[str, Any]) -> tuple[dict[str, mx.array], dict[str, str]]:
+        if raw.get("model_type") not in SUPPORTED:
+            raise self.refuse(f"model_type {raw.get('model_type')!r} is not split across ranks; supported: {', '.join(SUPPORTED)}")
         files, _ = checkpoint_files(Path(folder))
         names = [key for path in files.values() for key in tensor_entries(path)[1]]
         architecture = architecture_for(raw, str(Path(folder) / "config.json"), names)
@@ -79,7 +84,10 @@ class Sharding(ABC):
                 # An instance attribute in front of the method: every rank calls it, rank 0 computes.
                 setattr(graph, name, SharedFeatures(getattr(graph, name) if self.rank == 0 else None, self.group))
         graph = self.join(graph)
-        mx.eval(graph.parameters())
+        # Module by module: a weight cut out of a larger read (the experts' gate and up halves of
+        # one gate_up part) frees that read as soon as its module is evaluated, not after the last one.
+        for _, module in tree_flatten(graph.leaf_modules(), is_leaf=nn.Module.is_module):
+            mx.eval(module.parameters())
         return graph
 
     # ------------------------------------------------------------------------------ the plan

@@ -143,8 +143,8 @@ class TensorParallel(Sharding):
         if self.expert_mode == "rows":
             return Part(0, _share(r, N))
         if _GATE_UP.match(inside):
-            half = Fraction(1, 2)
-            return Part(1, ((Fraction(r, 2 * N), Fraction(r + 1, 2 * N)), (half + Fraction(r, 2 * N), half + Fraction(r + 1, 2 * N))))
+            gate = (Fraction(r, 2 * N), Fraction(r + 1, 2 * N))
+            return Part(1, (gate, (gate[0] + Fraction(1, 2), gate[1] + Fraction(1, 2))))
         if _SWITCH_GATE_UP.match(inside):
             return Part(1, _share(r, N))
         if _DOWN.match(inside):
