@@ -63,8 +63,8 @@ def main(argv=None) -> int:
         return 2
     try:
         media = MediaPolicy(tuple(args.allowed_media_dir), args.allow_network_media)
-    except OSError as err:
-        print(f"error: --allowed-media-dir {err.filename}: {err.strerror}", file=sys.stderr)
+    except ValueError as err:
+        print(f"error: --allowed-media-dir {err}", file=sys.stderr)
         return 2
     model = load_model(args)
     if model is None:

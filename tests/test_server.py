@@ -338,3 +338,43 @@ def test_a_failing_step_is_a_500_and_the_server_goes_on(answer_model, monkeypatc
         code, answer = http(url + "/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 40})
         assert code == 200 and answer["choices"][0]["message"]["content"] == ANSWER
         assert http(url + "/metrics")[1]["requests_finished"]["error"] == 1
+
+
+def test_the_one_command_serves(answer_model):
+    """``python -m examples.serve`` as a user starts it: loads the folder, binds to loopback, answers."""
+    import subprocess
+    import sys
+
+    from tests.server_tiny import free_port
+
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "examples.serve", "--model", str(answer_model.path), "--model-id", "tiny",
+                                "--port", str(port)], stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if http(f"http://127.0.0.1:{port}/health")[0] == 200:
+                    break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, process.stderr.read() if process.poll() is not None else "timeout"
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=40).choices[0].message.content == ANSWER
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--max-queue", "-1"], "--max-queue -1"),
+    (["--max-batch", "0"], "--max-batch 0"),
+    (["--prefix-cache-bytes", "-5"], "--prefix-cache-bytes -5"),
+    (["--top-p", "2"], "--top-p 2.0"),
+    (["--allowed-media-dir", "/no/such/folder"], "--allowed-media-dir /no/such/folder"),
+])  # fmt: skip
+def test_bad_flags_are_refused_before_loading(flags, words, capsys):
+    from examples import serve
+
+    assert serve.main(["--model", "/no/such/model", *flags]) == 2
+    assert words in capsys.readouterr().err

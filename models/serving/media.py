@@ -35,7 +35,10 @@ class MediaPolicy:
     _resolved: tuple[Path, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_resolved", tuple(Path(d).resolve(strict=True) for d in self.allowed_dirs))
+        missing = [str(d) for d in self.allowed_dirs if not Path(d).is_dir()]
+        if missing:
+            raise ValueError(f"{missing[0]}: not an existing folder")
+        object.__setattr__(self, "_resolved", tuple(Path(d).resolve() for d in self.allowed_dirs))
 
     def read(self, url: str, where: str) -> bytes:
         """The bytes behind ``url`` (a data URL, an allowed path or an allowed http(s) URL)."""
