@@ -417,21 +417,20 @@ class Ranks:
                 f"--parallel {args.parallel} needs two or more ranks; start it with mlx.launch, e.g. "
                 "mlx.launch --hosts h1,h2 --backend ring --python python3 -m examples.chat --parallel tensor ..."
             )
-        self.rank, self.timeout, self.lead = self.group.rank(), args.rank_timeout, None
+        self.rank, self.lead = self.group.rank(), None
+        self.watchdog = parallel.Watchdog(self.group, args.rank_timeout)
         options = {name: getattr(args, name, None) for name in ("dtype", "q_bits", "q_group_size")}
         args.sharding = parallel.sharding_for(args.parallel, self.group, options)
         args.seed = shared_seed(self.group, args.seed)  # every rank samples the same tokens
 
     def session(self, session):
         """Rank 0's session, sharing each turn; None on the other ranks once they have followed rank 0's turns to its end."""
-        from models.parallel import Watchdog
         from models.parallel.session import LeadSession, follow
 
-        watchdog = Watchdog(self.group, self.timeout)
         if self.rank == 0:
-            self.lead = LeadSession(session, self.group, watchdog)
+            self.lead = LeadSession(session, self.group, self.watchdog)
             return self.lead
-        follow(session, self.group, watchdog)
+        follow(session, self.group, self.watchdog)
         return None
 
 

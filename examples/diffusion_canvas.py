@@ -12,7 +12,8 @@ denoising as a self-contained page with a player. Tokens per denoising step, ste
 tokens per second are printed at the end (stderr).
 
 A checkpoint without a tokenizer (the tiny random test models) takes the prompt's UTF-8 bytes as
-token ids and shows tokens as numbers.
+token ids and shows tokens as numbers. Under ``mlx.launch`` with ``--parallel tensor`` the model is
+split over the ranks; rank 0 reads the images and shows the canvas (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from models.generation.diffusion import CommittedBlock, DenoiseStep, DiffusionRe
 import models
 from models.diffusion_model import DiffusionModel
 from models.generation.generate import GenerationOptionError, KVQuantization
-from examples.chat import check_writable, flag_error
+from examples.chat import add_parallel_args, check_writable, flag_error, in_parallel
 from models.processing.image_processor import Gemma4ImageProcessor
 
 BRIGHT, DIM, BOLD, RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[1m", "\x1b[0m"
@@ -54,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
     p.add_argument("--quantized-kv-start", type=int, default=5000,
                    help="positions held in full precision before the cache switches to --kv-bits")  # fmt: skip
+    add_parallel_args(p)
     return p.parse_args(argv)
 
 
@@ -202,10 +204,17 @@ def main(argv=None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    return in_parallel(args, lambda args, ranks=None: canvas(args, kv, ranks))
+
+
+def canvas(args: argparse.Namespace, kv: KVQuantization, ranks=None) -> int:
+    """``main`` after the flags; with ``--parallel tensor`` on every rank, where only rank 0 reads the
+    images and shows or records the canvas."""
+    lead = ranks is None or ranks.rank == 0
     try:
-        for path in args.image:  # a bad image is reported before the (long) model load
+        for path in args.image if lead else ():  # a bad image is reported before the (long) model load
             Gemma4ImageProcessor().load_rgb(path)
-        model = models.load(args.model, dtype=args.dtype or "auto")
+        model = models.load(args.model, dtype=args.dtype or "auto", sharding=getattr(args, "sharding", None))
         if not isinstance(model, DiffusionModel):
             raise ValueError(f"{args.model} is a {model.model_type} checkpoint, not DiffusionGemma; use python -m examples.chat")
         try:
@@ -213,15 +222,24 @@ def main(argv=None) -> int:
         except GenerationOptionError as err:
             raise ValueError(flag_error(err)) from None
         tokens = Tokens(model)
-        prompt = model.prompt(tokens.prompt_ids(args.prompt, len(args.image), args.raw), args.image, args.max_soft_tokens)
+        images = args.image
+        if ranks is not None:  # rank 0 reads and processes the images, every rank gets them
+            from models.parallel.session import share_images
+
+            images = share_images(ranks.group, model.process_images(images, args.max_soft_tokens) if lead else None)
+        prompt = model.prompt(tokens.prompt_ids(args.prompt, len(images), args.raw), images, args.max_soft_tokens)
         options = {"max_new_tokens": args.max_new_tokens, "max_denoising_steps": args.steps}
         options = {k: v for k, v in options.items() if v is not None}
         eos = model.options(**options).eos_token_id
         events = model.stream(prompt, seed=args.seed, kv_quantization=kv, **options)
-        live = LiveView(tokens) if sys.stdout.isatty() and not args.no_live else None
-        recording = Recording(tokens) if args.html else None
+        live = LiveView(tokens) if lead and sys.stdout.isatty() and not args.no_live else None
+        recording = Recording(tokens) if lead and args.html else None
         result = None
         for event in events:
+            if ranks is not None:
+                ranks.watchdog.arm("a denoising step")
+            if not lead:
+                continue
             if isinstance(event, DenoiseStep):
                 if live:
                     live.step(event)
@@ -240,6 +258,10 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if ranks is not None:
+        ranks.watchdog.disarm()
+    if not lead:
+        return 0
     if live:
         live.close()
     else:

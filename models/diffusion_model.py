@@ -70,17 +70,23 @@ class DiffusionModel:
         ids = id_list(self.encode(prompt) if isinstance(prompt, str) else prompt, self.vocab_size, "DiffusionModel.prompt")
         if not images:
             return Prompt(ids)
+        processed = self.process_images(images, max_soft_tokens)
+        features = self.graph.image_features([(p.patches, p.position_ids) for p in processed])
+        mx.eval(features)
+        tokens = ImageTokenIds(self.config.image_token_id, self.config.boi_token_id, self.config.eoi_token_id)
+        return expand_image_placeholders(ids, features, tokens)
+
+    def process_images(
+        self, images: Sequence[ImageInput | ProcessedImage], max_soft_tokens: int | None = None
+    ) -> list[ProcessedImage]:
+        """Paths, PIL images or uint8 arrays as the vision tower reads them (processed ones pass through)."""
         if not self.supports_images:
             raise ValueError(f"{self.path} has no vision tower (no vision_config); it cannot read images")
         vision = self.config.vision
         processor = Gemma4ImageProcessor(
             max_soft_tokens or DEFAULT_MAX_SOFT_TOKENS, patch_size=vision.patch_size, pooling_kernel_size=vision.pooling_kernel_size
         )
-        processed = [i if isinstance(i, ProcessedImage) else processor.process(i) for i in images]
-        features = self.graph.image_features([(p.patches, p.position_ids) for p in processed])
-        mx.eval(features)
-        tokens = ImageTokenIds(self.config.image_token_id, self.config.boi_token_id, self.config.eoi_token_id)
-        return expand_image_placeholders(ids, features, tokens)
+        return [i if isinstance(i, ProcessedImage) else processor.process(i) for i in images]
 
     # ------------------------------------------------------------------------------ generation
     def stream(

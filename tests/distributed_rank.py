@@ -78,7 +78,7 @@ def run(job: dict, group) -> dict[str, np.ndarray]:
         canvas = mx.array([job["canvas"]])
         first = model.graph.denoise(canvas, cache)
         second = model.graph.denoise(canvas, cache, first)
-        result = model.generate(ids, seed=0, **job.get("generate", {}))
+        result = model.generate(prompt, seed=0, **job.get("generate", {}))
         return {"first": np.array(first), "second": np.array(second), "tokens": np.array(result.sequences)}
     raise ValueError(f"unknown task {task!r}")
 

@@ -12,6 +12,10 @@ process. Greedy generations must be equal token for token.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -21,11 +25,12 @@ from models.generation.generate import KVQuantization  # noqa: E402
 from tests import diffusion_tiny  # noqa: E402
 from tests.distributed_rank import cached_logits, image  # noqa: E402
 from tests.distributed_tiny import (  # noqa: E402
-    IMAGE_PROMPT, NEAR, assert_logits_of, launch, results, same_on_every_rank, single, tiny_folders, worst,
+    IMAGE_PROMPT, NEAR, REPO, assert_logits_of, free_ports, launch, results, run_group, same_on_every_rank, single, tiny_folders, worst,
 )  # fmt: skip
 
 LONG = [2] + [int(t) for t in np.random.default_rng(0).integers(3, 250, 47)]  # 48 positions: the windows (8) wrap
 PROMPT = LONG[:12]
+DIFFUSION_PROMPT = [2, 10, diffusion_tiny.T7_TOKENS["image_token_id"], 11, 12, 13]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +59,7 @@ def two_ranks(folders):
         job("moe_rows", folders["moe"], "logits", out, ids=LONG, experts="rows"),
         job("moe_q4", folders["moe"], "logits", out, ids=LONG, q_bits=4),
         job("image", folders["multimodal"], "image", out, ids=IMAGE_PROMPT, images=[1]),
-        job("diffusion", folders["diffusion"], "diffusion", out, ids=LONG[:14], canvas=LONG[20:28],
+        job("diffusion", folders["diffusion"], "diffusion", out, ids=DIFFUSION_PROMPT, images=[2], canvas=LONG[20:28],
             generate=dict(max_new_tokens=16, max_denoising_steps=4)),
     ]  # fmt: skip
     return launch(jobs, 2, out)
@@ -115,16 +120,17 @@ def test_image_prompt_with_the_tower_on_rank_0(two_ranks, folders):
     assert worst(ranks[0]["full"], want) < NEAR
 
 
-def test_diffusion_decoder(two_ranks, folders):
+def test_diffusion_decoder_with_an_image(two_ranks, folders):
     import mlx.core as mx
 
     model = single(folders["diffusion"])
     cache = model.graph.make_cache()
-    model.graph.prefill(mx.array([LONG[:14]]), cache)
+    prompt = model.prompt(DIFFUSION_PROMPT, [image(2)], 70)
+    model.graph.prefill(mx.array([prompt.ids]), cache, [s.features for s in prompt.images])
     canvas = mx.array([LONG[20:28]])
     first = model.graph.denoise(canvas, cache)
     second = model.graph.denoise(canvas, cache, first)
-    tokens = model.generate(LONG[:14], seed=0, max_new_tokens=16, max_denoising_steps=4).sequences
+    tokens = model.generate(prompt, seed=0, max_new_tokens=16, max_denoising_steps=4).sequences
     ranks = results(folders["root"], "diffusion", 2, two_ranks)
     same_on_every_rank(ranks, "second")
     for got in ranks:
@@ -141,3 +147,15 @@ def test_four_ranks_moe(four_ranks, folders, name):
 def test_four_ranks_biases_and_untied_head(four_ranks, folders):
     ranks = results(folders["root"], "untied_x4", 4, four_ranks)
     assert_logits_of(ranks, single(folders["dense_untied"]), folders["float64"]["dense_untied"], LONG)
+
+
+def test_diffusion_canvas_demo(folders):
+    """``examples.diffusion_canvas --parallel tensor`` prints what the single process prints."""
+    arguments = ["-m", "examples.diffusion_canvas", "--model", str(folders["diffusion"]), "--prompt", "hi there",
+                 "--max-new-tokens", "16", "--steps", "4", "--seed", "3", "--dtype", "float32"]  # fmt: skip
+    single = subprocess.run([sys.executable, *arguments], cwd=REPO, capture_output=True, text=True, timeout=600)
+    launcher = [shutil.which("mlx.launch"), "-n", "2", "--backend", "ring", "--starting-port", str(free_ports(2)), "--python"]
+    ranks = run_group([*launcher, sys.executable, *arguments, "--parallel", "tensor"], 600)
+    assert single.returncode == 0, single.stderr[-2000:]
+    assert "Node with rank" not in ranks.stderr, ranks.stderr[-3000:]
+    assert ranks.stdout == single.stdout and single.stdout.strip()

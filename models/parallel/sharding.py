@@ -62,12 +62,20 @@ class Sharding(ABC):
     def read(self, folder: Path, raw: Mapping[str, Any]) -> tuple[dict[str, mx.array], dict[str, str]]:
         if raw.get("model_type") not in SUPPORTED:
             raise self.refuse(f"model_type {raw.get('model_type')!r} is not split across ranks; supported: {', '.join(SUPPORTED)}")
+        digest = checkpoint_digest(folder)
+        check_same(self.group, digest, {})  # the same checkpoint first: then every rank plans alike
         files, _ = checkpoint_files(Path(folder))
         names = [key for path in files.values() for key in tensor_entries(path)[1]]
         architecture = architecture_for(raw, str(Path(folder) / "config.json"), names)
         self.config = architecture.parse_config(raw)
-        self.configure(self.config, raw)
-        check_same(self.group, checkpoint_digest(folder), self.plan())
+        try:
+            self.configure(self.config, raw)
+            plan, refusal = self.plan(), None
+        except ParallelSetupError as err:  # refused on this rank: the others must hear of it, not wait
+            plan, refusal = {"refused": getattr(err, "reason", str(err))}, err
+        check_same(self.group, digest, plan)
+        if refusal is not None:
+            raise refusal
         return read_parts(folder, self._decision)
 
     def load(self, graph: nn.Module, architecture, weights: Mapping[str, mx.array]) -> None:
@@ -104,7 +112,9 @@ class Sharding(ABC):
         return self.part_of(key, shape)
 
     def refuse(self, why: str) -> ParallelSetupError:
-        return ParallelSetupError(f"{describe(self.group)}: --parallel {self.mode} over {self.size} ranks: {why}")
+        error = ParallelSetupError(f"{describe(self.group)}: --parallel {self.mode} over {self.size} ranks: {why}")
+        error.reason = why  # the same on every rank that refuses alike (compared with the plans)
+        return error
 
     # ------------------------------------------------------------------------------ per plan
     @abstractmethod
