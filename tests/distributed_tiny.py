@@ -50,13 +50,19 @@ def save_text(name: str, directory: Path):
 
 
 def tiny_folders(root: Path, ids: list[int]) -> dict:
-    """Every checkpoint of ``CONFIGS`` and the multimodal T5 saved under ``root``: ``{name: folder}``,
-    plus ``"root"`` and ``"float64"``: transformers' float64 logits of ``ids`` for each text checkpoint."""
+    """Every checkpoint of ``CONFIGS``, the multimodal T5 and a 4-bit MLX conversion of ``moe``
+    (``moe_packed``) saved under ``root``: ``{name: folder}``, plus ``"root"`` and ``"float64"``:
+    transformers' float64 logits of ``ids`` for each text checkpoint."""
     out: dict = {"root": root, "float64": {}, "multimodal": root / "multimodal"}
     for name in CONFIGS:
         out["float64"][name] = hf_tiny.float64_logits(save_text(name, root / name), [ids])
         out[name] = root / name
     hf_tiny.save_conditional_generation(out["multimodal"])
+    # the MoE checkpoint as an MLX folder quantized to 4 bits in groups of 32 (packed weights, scales and biases)
+    from models.convert import convert
+
+    out["moe_packed"] = root / "moe_packed"
+    convert(str(out["moe"]), out["moe_packed"], q_bits=4, q_group_size=32)
     return out
 
 

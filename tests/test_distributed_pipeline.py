@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from models.generation.generate import KVQuantization  # noqa: E402
-from tests.distributed_rank import image  # noqa: E402
+from tests.distributed_rank import cached_logits, image  # noqa: E402
 from tests.distributed_tiny import launch, results, tiny_folders  # noqa: E402
 from tests.distributed_tiny import IMAGE_PROMPT, NEAR, assert_logits_of, same_on_every_rank, single, worst  # noqa: E402
 
@@ -40,6 +40,7 @@ def two_ranks(folders):
         job("ple_generate_kv4", folders["ple_shared"], "generate", out, ids=PROMPT, max_tokens=24, prefill_step=64,
             kv_bits=4, kv_group_size=32, kv_start=0),
         job("moe_logits", folders["moe"], "logits", out, ids=LONG),
+        job("moe_packed", folders["moe_packed"], "logits", out, ids=LONG),
         job("image", folders["multimodal"], "image", out, ids=IMAGE_PROMPT, images=[1]),
     ]  # fmt: skip
     return launch(jobs, 2, out)
@@ -79,6 +80,14 @@ def test_greedy_generation_with_quantized_kv(two_ranks, folders):
 def test_moe(two_ranks, folders):
     ranks = results(folders["root"], "moe_logits", 2, two_ranks)
     assert_logits_of(ranks, single(folders["moe"]), folders["float64"]["moe"], LONG)
+
+
+def test_prequantized_checkpoint(two_ranks, folders):
+    ranks = results(folders["root"], "moe_packed", 2, two_ranks)
+    same_on_every_rank(ranks)
+    model = single(folders["moe_packed"])
+    assert worst(ranks[0]["full"], model.logits([LONG])) < NEAR
+    assert worst(ranks[0]["cached"], cached_logits(model, LONG, [7, 1])) < NEAR
 
 
 def test_image_prompt_with_the_tower_on_rank_0(two_ranks, folders):

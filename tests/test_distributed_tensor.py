@@ -58,6 +58,7 @@ def two_ranks(folders):
         job("moe_columns", folders["moe"], "logits", out, ids=LONG, experts="columns"),
         job("moe_rows", folders["moe"], "logits", out, ids=LONG, experts="rows"),
         job("moe_q4", folders["moe"], "logits", out, ids=LONG, q_bits=4),
+        job("moe_packed", folders["moe_packed"], "logits", out, ids=LONG),
         job("image", folders["multimodal"], "image", out, ids=IMAGE_PROMPT, images=[1]),
         job("diffusion", folders["diffusion"], "diffusion", out, ids=DIFFUSION_PROMPT, images=[2], canvas=LONG[20:28],
             generate=dict(max_new_tokens=16, max_denoising_steps=4)),
@@ -105,6 +106,14 @@ def test_weights_quantized_on_load(two_ranks, folders):
     ranks = results(folders["root"], "moe_q4", 2, two_ranks)
     same_on_every_rank(ranks)
     model = single(folders["moe"], q_bits=4)
+    assert worst(ranks[0]["full"], model.logits([LONG])) < NEAR
+    assert worst(ranks[0]["cached"], cached_logits(model, LONG, [7, 1])) < NEAR
+
+
+def test_prequantized_checkpoint_read_in_packed_parts(two_ranks, folders):
+    ranks = results(folders["root"], "moe_packed", 2, two_ranks)
+    same_on_every_rank(ranks)
+    model = single(folders["moe_packed"])
     assert worst(ranks[0]["full"], model.logits([LONG])) < NEAR
     assert worst(ranks[0]["cached"], cached_logits(model, LONG, [7, 1])) < NEAR
 
