@@ -60,7 +60,6 @@ ABLATIONS = {
     "OpenBLAS (GEMMA_ZOO_BLAS=openblas)": ("ours", {"GEMMA_ZOO_BLAS": "openblas"}, {}),
     "MKL threads spin 200 ms (KMP_BLOCKTIME=200, MKL's default)": ("ours", {"KMP_BLOCKTIME": "200"}, {}),
     "8-bit folder, packed kernels (default CPU policy)": ("ours 8-bit", {}, {}),
-    "8-bit folder, packed kernels, MLPs not split over streams (GEMMA_ZOO_STREAMS=0)": ("ours 8-bit", {"GEMMA_ZOO_STREAMS": "0"}, {}),
     "8-bit folder, dequantized on load": ("ours 8-bit", {"GEMMA_ZOO_CPU_QUANT": "dequantize"}, {}),
     "8-bit folder, MLX's quantized matmul, float32 scales": ("ours 8-bit", {"GEMMA_ZOO_CPU_QUANT": "fp32-scales"}, {"short": True}),
     "4-bit folder, packed kernels (default CPU policy)": ("ours 4-bit", {}, {}),

@@ -167,10 +167,12 @@ def prepare(graph: nn.Module, precision: Precision) -> list[str]:
     heads = [m for _, m in graph.named_modules() if isinstance(m, VocabularyHead)]
     notes += [note for note in (head.split_head(streams) for head in heads) if note]
     mlps = [m for _, m in graph.named_modules() if isinstance(m, GeGLUMLP)]
+    # Packed products split their rows over the cores themselves: a second stream only competes.
+    split = [m for m in mlps if not isinstance(m.up_proj, kernels.PackedLinear)]
     for mlp in mlps:
-        mlp.use_streams(streams)
-    if mlps and streams > 1:
-        notes.append(f"{len(mlps)} MLPs: decode gate and up products on {streams} CPU streams ({STREAMS_SWITCH}=0: one)")
+        mlp.use_streams(1 if isinstance(mlp.up_proj, kernels.PackedLinear) else streams)
+    if split and streams > 1:
+        notes.append(f"{len(split)} MLPs: decode gate and up products on {streams} CPU streams ({STREAMS_SWITCH}=0: one)")
     mx.clear_cache()  # buffers freed by the casts, dequantization and relayout go back to the system
     return notes
 

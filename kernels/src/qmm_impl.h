@@ -94,6 +94,16 @@ inline void tile(const float* xp, const float* xs, int64_t K, int64_t G, int gro
     }
 }
 
+// Software prefetch this many bytes of weight rows ahead (and the scales and biases of those
+// rows): a decode product streams each weight once from memory, and the hardware prefetchers
+// alone kept one core at ~9 GB/s on the 270M's head, against ~27 GB/s with this (docs/speed.md).
+constexpr int64_t kPrefetchBytes = 8192;
+
+inline void prefetch(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
 // Rows [n0, n1) for MT activation rows starting at row m0: NR rows at a time, then one by one.
 template <int BITS, int MT, int NR, class S>
 inline void rows_mt(const Prepared& a, const PackedWeights& p, int64_t m0, int64_t n0, int64_t n1, float* y) {
@@ -103,9 +113,16 @@ inline void rows_mt(const Prepared& a, const PackedWeights& p, int64_t m0, int64
   const S* sc = static_cast<const S*>(p.scales);
   const S* bi = static_cast<const S*>(p.biases);
   float* ym = y + m0 * p.N;
+  const int64_t ahead = (kPrefetchBytes + rb - 1) / rb;  // rows
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR)
+  for (; n + NR <= n1; n += NR) {
+    if (n + ahead + NR <= n1) {
+      prefetch(p.w + (n + ahead) * rb, NR * rb);
+      prefetch(sc + (n + ahead) * G, NR * G * static_cast<int64_t>(sizeof(S)));
+      prefetch(bi + (n + ahead) * G, NR * G * static_cast<int64_t>(sizeof(S)));
+    }
     tile<BITS, MT, NR, S>(xp, xs, K, G, p.group, p.w + n * rb, rb, sc + n * G, bi + n * G, ym + n, p.N);
+  }
   for (; n < n1; ++n)
     tile<BITS, MT, 1, S>(xp, xs, K, G, p.group, p.w + n * rb, rb, sc + n * G, bi + n * G, ym + n, p.N);
 }
@@ -137,9 +154,11 @@ inline void dequant_bits(const PackedWeights& p, int64_t n0, int64_t n1, float* 
   const int64_t K = p.K, G = p.groups(), rb = p.row_bytes();
   const S* sc = static_cast<const S*>(p.scales);
   const S* bi = static_cast<const S*>(p.biases);
+  const int64_t ahead = (kPrefetchBytes + rb - 1) / rb;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = p.w + n * rb;
     float* o = out + n * K;
+    if (n + ahead < n1) prefetch(w + ahead * rb, rb);
     for (int64_t g = 0; g < G; ++g) {
       const F s = V::set1(as_float(sc[n * G + g]));
       const F b = V::set1(as_float(bi[n * G + g]));
