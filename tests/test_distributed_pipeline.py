@@ -14,9 +14,11 @@ import pytest
 pytest.importorskip("transformers")
 
 from models.generation.generate import KVQuantization  # noqa: E402
-from tests.distributed_rank import cached_logits, image  # noqa: E402
+from tests.distributed_rank import image  # noqa: E402
 from tests.distributed_tiny import launch, results, tiny_folders  # noqa: E402
-from tests.distributed_tiny import IMAGE_PROMPT, NEAR, assert_logits_of, same_on_every_rank, single, worst  # noqa: E402
+from tests.distributed_tiny import (  # noqa: E402
+    IMAGE_PROMPT, NEAR, assert_logits_of, assert_near, same_on_every_rank, single, worst,
+)  # fmt: skip
 
 LONG = [2] + [int(t) for t in np.random.default_rng(1).integers(3, 250, 95)]
 PROMPT = LONG[:70]
@@ -83,11 +85,7 @@ def test_moe(two_ranks, folders):
 
 
 def test_prequantized_checkpoint(two_ranks, folders):
-    ranks = results(folders["root"], "moe_packed", 2, two_ranks)
-    same_on_every_rank(ranks)
-    model = single(folders["moe_packed"])
-    assert worst(ranks[0]["full"], model.logits([LONG])) < NEAR
-    assert worst(ranks[0]["cached"], cached_logits(model, LONG, [7, 1])) < NEAR
+    assert_near(results(folders["root"], "moe_packed", 2, two_ranks), single(folders["moe_packed"]), LONG)
 
 
 def test_image_prompt_with_the_tower_on_rank_0(two_ranks, folders):

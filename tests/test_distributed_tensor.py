@@ -23,9 +23,10 @@ pytest.importorskip("transformers")
 
 from models.generation.generate import KVQuantization  # noqa: E402
 from tests import diffusion_tiny  # noqa: E402
-from tests.distributed_rank import cached_logits, image  # noqa: E402
+from tests.distributed_rank import image  # noqa: E402
 from tests.distributed_tiny import (  # noqa: E402
-    IMAGE_PROMPT, NEAR, REPO, assert_logits_of, free_ports, launch, results, run_group, same_on_every_rank, single, tiny_folders, worst,
+    IMAGE_PROMPT, NEAR, REPO, assert_logits_of, assert_near, free_ports, launch, results, run_group, same_on_every_rank, single,
+    tiny_folders, worst,
 )  # fmt: skip
 
 LONG = [2] + [int(t) for t in np.random.default_rng(0).integers(3, 250, 47)]  # 48 positions: the windows (8) wrap
@@ -103,19 +104,11 @@ def test_moe_experts_split_by_columns_and_by_rows(two_ranks, folders, name):
 
 
 def test_weights_quantized_on_load(two_ranks, folders):
-    ranks = results(folders["root"], "moe_q4", 2, two_ranks)
-    same_on_every_rank(ranks)
-    model = single(folders["moe"], q_bits=4)
-    assert worst(ranks[0]["full"], model.logits([LONG])) < NEAR
-    assert worst(ranks[0]["cached"], cached_logits(model, LONG, [7, 1])) < NEAR
+    assert_near(results(folders["root"], "moe_q4", 2, two_ranks), single(folders["moe"], q_bits=4), LONG)
 
 
 def test_prequantized_checkpoint_read_in_packed_parts(two_ranks, folders):
-    ranks = results(folders["root"], "moe_packed", 2, two_ranks)
-    same_on_every_rank(ranks)
-    model = single(folders["moe_packed"])
-    assert worst(ranks[0]["full"], model.logits([LONG])) < NEAR
-    assert worst(ranks[0]["cached"], cached_logits(model, LONG, [7, 1])) < NEAR
+    assert_near(results(folders["root"], "moe_packed", 2, two_ranks), single(folders["moe_packed"]), LONG)
 
 
 def test_image_prompt_with_the_tower_on_rank_0(two_ranks, folders):
