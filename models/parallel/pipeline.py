@@ -11,7 +11,7 @@ table columns and projection rows of its own layers.
 
 The plan (``stage_bounds``) splits the layers evenly, except that a KV-shared layer stays on the
 rank of the layer whose keys and values it reads: the layers from the first donor on form one
-stage (E2B: layers 13-34 of 35). Sending a donor's keys and values to another rank would mean a
+stage (E2B's 35 layers, the last 20 KV-shared, in the default pattern: layers 11-34). Sending a donor's keys and values to another rank would mean a
 second copy of its cache there, written in step with it; this plan sends hidden states only.
 
 Prefill chunks (``window`` reads of plain text) are cut into micro-batches that go through the
