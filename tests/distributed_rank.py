@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 import models
+import zoo_switches
 from models import parallel
 from models.generation.generate import KVQuantization, SamplingOptions
 
@@ -43,6 +44,18 @@ def cached_logits(model, ids: list[int], chunks: list[int], kv: KVQuantization |
 
 
 def run(job: dict, group) -> dict[str, np.ndarray]:
+    with zoo_switches.override(**job.get("switches", {})):
+        return run_task(job, group)
+
+
+def packed_layers(model) -> int:
+    """How many layers of ``model`` run through the packed CPU kernels (``kernels``)."""
+    import kernels
+
+    return sum(isinstance(m, (kernels.PackedLinear, kernels.PackedEmbedding)) for _, m in model.graph.named_modules())
+
+
+def run_task(job: dict, group) -> dict[str, np.ndarray]:
     rank = group.rank()
     folder = job["folders"][rank] if "folders" in job else job["folder"]
     options = {"dtype": job.get("dtype", "float32"), "q_bits": job.get("q_bits")}
@@ -52,8 +65,8 @@ def run(job: dict, group) -> dict[str, np.ndarray]:
     task, ids = job["task"], job.get("ids")
     kv = KVQuantization(job["kv_bits"], job.get("kv_group_size", 32), job.get("kv_start", 0)) if job.get("kv_bits") else None
     if task == "logits":
-        out = {"full": np.array(model.logits([ids])), "cached": cached_logits(model, ids, job.get("chunks", [7, 1]), kv)}
-        return out
+        full, cached = np.array(model.logits([ids])), cached_logits(model, ids, job.get("chunks", [7, 1]), kv)
+        return {"full": full, "cached": cached, "packed_layers": np.array(packed_layers(model))}
     if task == "generate":
         watchdog = parallel.Watchdog(group, job.get("timeout", 60))
         die_after = job.get("die_after")

@@ -47,6 +47,7 @@ def job(name: str, folder, task: str, out, **fields) -> dict:
 
 
 KV4 = dict(kv_bits=4, kv_group_size=32, kv_start=0)
+PACKED_KERNELS = dict(GEMMA_ZOO_CPU_QUANT="auto")  # the user's default: packed layers through kernels (conftest: as stored)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,7 @@ def two_ranks(folders):
         job("moe_rows", folders["moe"], "logits", out, ids=LONG, experts="rows"),
         job("moe_q4", folders["moe"], "logits", out, ids=LONG, q_bits=4),
         job("moe_packed", folders["moe_packed"], "logits", out, ids=LONG),
+        job("moe_packed_kernels", folders["moe_packed"], "logits", out, ids=LONG, switches=PACKED_KERNELS, dtype="auto"),
         job("image", folders["multimodal"], "image", out, ids=IMAGE_PROMPT, images=[1]),
         job("diffusion", folders["diffusion"], "diffusion", out, ids=DIFFUSION_PROMPT, images=[2], canvas=LONG[20:28],
             generate=dict(max_new_tokens=16, max_denoising_steps=4)),
@@ -109,6 +111,16 @@ def test_weights_quantized_on_load(two_ranks, folders):
 
 def test_prequantized_checkpoint_read_in_packed_parts(two_ranks, folders):
     assert_near(results(folders["root"], "moe_packed", 2, two_ranks), single(folders["moe_packed"]), LONG)
+
+
+def test_prequantized_checkpoint_through_the_packed_cpu_kernels(two_ranks, folders):
+    import models
+    import zoo_switches
+
+    ranks = results(folders["root"], "moe_packed_kernels", 2, two_ranks)
+    assert all(int(r["packed_layers"]) > 0 for r in ranks)  # the split layers are the kernels' own, rebuilt
+    with zoo_switches.override(**PACKED_KERNELS):
+        assert_near(ranks, models.load(str(folders["moe_packed"]), tokenizer=False), LONG)  # dtype "auto": as users load it
 
 
 def test_image_prompt_with_the_tower_on_rank_0(two_ranks, folders):

@@ -1,11 +1,14 @@
 """The modules a split graph gets in place of its own, once its weights are loaded.
 
 Each computes what the module it replaces computes, on this rank's part of the weights, plus the
-one collective that puts the parts together. They are built from the loaded module (plain or
-quantized), keeping its parameter names and arrays, so the graph code calling them is unchanged:
+one collective that puts the parts together. Each is the loaded module itself (plain, quantized or
+packed for the CPU kernels: ``kernels.PackedLinear``), rebuilt as a subclass of its own class with
+a new call, keeping its settings, parameter names and arrays, so its product is unchanged and so
+is the graph code calling it:
 
 - ``summed``: a projection whose input is this rank's heads or columns (``o_proj``, ``down_proj``)
-  becomes mlx's ``ShardedToAllLinear`` (or its quantized twin): partial product, then ``all_sum``;
+  computes its partial product and ``all_sum``-s it, as mlx's ``ShardedToAllLinear`` does; a bias
+  is held by rank 0 alone, so the sum adds it once;
 - ``vocabulary_rows``: an embedding holding rows ``[start, start + rows)`` of the vocabulary looks up
   the ids it holds (zeros elsewhere) and ``all_sum``-s; as the tied output head (``as_linear``) it
   computes its rows' logits and ``all_gather``-s them into the whole vocabulary. An untied
@@ -21,7 +24,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.nn.layers.distributed import QuantizedShardedToAllLinear, ShardedToAllLinear
 
 from models.parallel.runtime import share_arrays
 
@@ -32,26 +34,14 @@ def gather_last(x: mx.array, group: mx.distributed.Group) -> mx.array:
     return mx.moveaxis(gathered, 0, -1)
 
 
-def summed(module: nn.Module, group: mx.distributed.Group) -> nn.Module:
-    """``module`` (a ``Linear`` or ``QuantizedLinear`` holding this rank's input columns) as the
-    product whose partial results are summed over the group (its bias added once, after the sum)."""
-    N = group.size()
-    if isinstance(module, nn.QuantizedLinear):
-        out_dims, packed = module.weight.shape
-        in_dims = packed * 32 // module.bits
-        new = QuantizedShardedToAllLinear(
-            in_dims * N, out_dims, "bias" in module, module.group_size, module.bits, module.mode, group
-        )  # fmt: skip
-    elif isinstance(module, nn.Linear):
-        out_dims, in_dims = module.weight.shape
-        new = ShardedToAllLinear(in_dims * N, out_dims, "bias" in module, group)
-    else:
-        raise TypeError(f"summed: cannot split a {type(module).__name__}")
-    new.update(module.parameters())
-    return new
-
-
 # ---------------------------------------------------------------------------------------- rebuilt with a new call
+class Summed:
+    """Mixin: a linear layer on this rank's input columns; the partial products summed over the group."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.distributed.all_sum(super().__call__(x), group=self.group)
+
+
 class VocabularyRows:
     """Mixin: an embedding holding vocabulary rows ``[start, start + rows)``."""
 
@@ -85,23 +75,29 @@ _CLASSES: dict[tuple[type, type], type] = {}
 
 
 def _rebuilt(module: nn.Module, mixin: type, **attributes) -> nn.Module:
-    """A new module of ``module``'s kind with ``mixin``'s call, holding the same arrays."""
+    """A new module of ``module``'s own class with ``mixin``'s call, holding the same settings and arrays.
+
+    Made without running the class's ``__init__`` (which would draw, and for the quantized kinds
+    quantize, a random matrix), as ``kernels.PackedLinear.of`` makes its modules."""
+    if not isinstance(module, (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)):
+        raise TypeError(f"{mixin.__name__}: cannot rebuild a {type(module).__name__}")
     base = type(module)
-    if base not in (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding):
-        raise TypeError(f"{mixin.__name__}: cannot rebuild a {base.__name__}")
     cls = _CLASSES.setdefault((mixin, base), type(f"{mixin.__name__}{base.__name__}", (mixin, base), {}))
-    rows, width = module.weight.shape
-    if base in (nn.QuantizedLinear, nn.QuantizedEmbedding):
-        width = width * 32 // module.bits
-        quantization = dict(group_size=module.group_size, bits=module.bits, mode=module.mode)
-        new = (
-            cls(width, rows, "bias" in module, **quantization) if base is nn.QuantizedLinear else cls(rows, width, **quantization)
-        )
-    else:
-        new = cls(width, rows, "bias" in module) if base is nn.Linear else cls(rows, width)
-    new.update(module.parameters())
+    new = cls.__new__(cls)
+    nn.Module.__init__(new)
+    new.__dict__.update(module.__dict__)  # group size, bits, mode, frozen parameters, ...
+    dict.update(new, module)  # the parameters
     for name, value in attributes.items():
         setattr(new, name, value)
+    return new
+
+
+def summed(module: nn.Module, group: mx.distributed.Group) -> nn.Module:
+    """``module`` (a linear layer holding this rank's input columns) as the product whose partial
+    results are summed over the group; its bias stays on rank 0 only."""
+    new = _rebuilt(module, Summed, group=group)
+    if "bias" in new and group.rank() != 0:
+        new.pop("bias")
     return new
 
 
