@@ -60,20 +60,17 @@ static Isa parse_isa(const std::string& name) {
   throw std::invalid_argument(msg.str());
 }
 
-static RowsFn rows_fn(Isa isa) {
-#if defined(__x86_64__) && defined(ZOO_X86_KERNELS)
-  if (isa == Isa::avx512) return avx512::rows;
-  if (isa == Isa::avx2) return avx2::rows;
-#endif
-  return portable::rows;
-}
+struct IsaKernels {
+  RowsFn rows;
+  DequantFn dequantize;
+};
 
-static DequantFn dequant_fn(Isa isa) {
+static IsaKernels kernels_for(Isa isa) {
 #if defined(__x86_64__) && defined(ZOO_X86_KERNELS)
-  if (isa == Isa::avx512) return avx512::dequantize;
-  if (isa == Isa::avx2) return avx2::dequantize;
+  if (isa == Isa::avx512) return {avx512::rows, avx512::dequantize};
+  if (isa == Isa::avx2) return {avx2::rows, avx2::dequantize};
 #endif
-  return portable::dequantize;
+  return {portable::rows, portable::dequantize};
 }
 
 // ------------------------------------------------------------------------------------ thread pool
@@ -256,7 +253,7 @@ static void prepare_x(const float* x, int64_t M, int64_t K, int group, int bits,
 static void run_matmul(const float* x, int64_t M, const PackedWeights& p, Isa isa, float* y) {
   std::vector<float> xp, sums;
   prepare_x(x, M, p.K, p.group, p.bits, isa_lanes(isa), xp, sums);
-  MatmulJob job{{xp.empty() ? x : xp.data(), sums.data(), M}, p, rows_fn(isa), y, chunks_for(p, M)};
+  MatmulJob job{{xp.empty() ? x : xp.data(), sums.data(), M}, p, kernels_for(isa).rows, y, chunks_for(p, M)};
   Pool::get().run(job.chunks, run_chunk<MatmulJob>, &job);
 }
 
@@ -388,7 +385,7 @@ void PackedDequantize::eval_cpu(const std::vector<mx::array>& inputs, mx::array&
   encoder.dispatch([p = weights_of(inputs[0], inputs[1], inputs[2], group_size_, bits_), isa = isa_,
                     o = out.data<float>()]() {
     if (p.N == 0) return;
-    DequantJob job{p, dequant_fn(isa), o, chunks_for(p, 1)};
+    DequantJob job{p, kernels_for(isa).dequantize, o, chunks_for(p, 1)};
     Pool::get().run(job.chunks, run_chunk<DequantJob>, &job);
   });
 }

@@ -1,7 +1,8 @@
 // MLX primitives over packed 4/8-bit weights on the CPU: PackedMatmul (x @ dequantize(w).T for
 // few rows, read at memory bandwidth) and PackedDequantize (the float32 weight, for products with
 // many rows that then go through the BLAS). Both take MLX's affine layout as nn.QuantizedLinear
-// and nn.QuantizedEmbedding store it, with float32 activations, scales and biases.
+// and nn.QuantizedEmbedding store it: float32 activations, scales and biases in float32, bfloat16
+// or float16 (read as stored), float32 results.
 #pragma once
 
 #include <string>

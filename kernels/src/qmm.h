@@ -7,12 +7,13 @@
 //
 //   y[m, n] = sum_g s[n, g] * (sum_{k in g} x[m, k] q[n, k]) + sum_g b[n, g] * (sum_{k in g} x[m, k])
 //
-// so the inner loop only converts q to float and multiplies it with float32 activations: the
+// so the inner loop only converts q to float and multiplies it with float32 activations (scales
+// and biases may be stored in bfloat16 or float16; they are converted once a group): the
 // result is the float32 product with the dequantized weight, up to summation order (no rounding
 // of the activations, unlike kernels that quantize them to int8 for integer dot products).
 //
 // One source (qmm_impl.h) is compiled three times, for AVX-512, AVX2 + FMA and plain C++, each in
-// its own translation unit with its own flags and its own names; `isa()` picks one at run time.
+// its own translation unit with its own flags and its own names; best_isa() picks one at run time.
 #pragma once
 
 #include <cstddef>
