@@ -11,7 +11,8 @@ cell is the median of ``--rounds`` runs with its range, and the ratios are taken
 against the first stack's run of the same round) before the median. Workload as ``benchmarks.speed``:
 a ``--prompt``-token prompt of random ids (``numpy.random.default_rng(0)``), then ``--gen`` greedy
 tokens. Stacks are zoo names or folders (ours, through ``models.load``, as a user gets them) and
-``llama.cpp`` (llama-cpp-python on the 270M's Q4_K_M GGUF, 2 threads, as in ``benchmarks.speed``).
+``llama.cpp`` (llama-cpp-python on the 270M's Q4_K_M GGUF, 2 threads, as in ``benchmarks.speed``)
+and ``torch`` (transformers on the float32 270M, 2 threads, as there).
 Peak memory is not reported: every stack shares the process.
 """
 
@@ -26,12 +27,14 @@ from pathlib import Path
 import zoo_blas  # noqa: F401  (before mlx)
 
 
-from benchmarks.speed import prompt_ids, run_llama, run_ours, setup
+from benchmarks.speed import gemma3_folder, prompt_ids, run_llama, run_ours, run_torch, setup
 
 
 def load(name: str) -> tuple[dict, callable]:
     if name == "llama.cpp":
         return setup("llama.cpp", Path("."), {}), run_llama
+    if name == "torch":
+        return setup("torch", gemma3_folder(), {}), run_torch
     from models.zoo import zoo_folder
 
     return setup("ours", zoo_folder(name) or Path(name), {}), run_ours
