@@ -36,9 +36,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 BUILD_FILE = Path(__file__).with_name("_build.json")  # written by setup.py's build step
-# Products of more rows than this dequantize their weight and go through the BLAS (measured
-# crossover on the 270M's shapes; docs/speed.md).
-KERNEL_ROWS = 16
+# Products of more rows than this dequantize their weight and go through the BLAS: on the 270M's
+# layer shapes the kernel is faster up to 32 rows and about even at 64 (benchmarks.packed_kernels).
+KERNEL_ROWS = 32
 # The dequantized weight of a many-row product is made in row blocks of at most this many bytes
 # (a 262,144-word head would otherwise take a 671 MB temporary).
 DENSE_BLOCK_BYTES = 64 << 20
