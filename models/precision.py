@@ -145,9 +145,10 @@ def prepare(graph: nn.Module, precision: Precision) -> list[str]:
     """The plan for the device the graph will run on, applied; returns what is in effect, one line each.
 
     On the CPU with a fast BLAS: quantized layers follow ``quantized_policy`` (the packed kernels
-    by default, where they were built; else dequantized to float32), the output head is stored transposed (``VocabularyHead.split_head``) and,
-    unless ``GEMMA_ZOO_STREAMS=0``, split over CPU streams with every GeGLU MLP
-    (``GeGLUMLP.use_streams``). On a GPU, or without a fast BLAS, the graph is left as built.
+    where they were built, else dequantized to float32), the output head is stored transposed
+    (``VocabularyHead.split_head``) and, unless ``GEMMA_ZOO_STREAMS=0``, split over CPU streams with
+    every GeGLU MLP whose products are not packed (``GeGLUMLP.use_streams``; the kernels split their
+    rows over the cores themselves). On a GPU, or without a fast BLAS, the graph is left as built.
     """
     notes: list[str] = []
     if cpu_math.active():
@@ -166,13 +167,14 @@ def prepare(graph: nn.Module, precision: Precision) -> list[str]:
     streams = CPU_STREAMS if zoo_switches.enabled(STREAMS_SWITCH) else 1
     heads = [m for _, m in graph.named_modules() if isinstance(m, VocabularyHead)]
     notes += [note for note in (head.split_head(streams) for head in heads) if note]
-    mlps = [m for _, m in graph.named_modules() if isinstance(m, GeGLUMLP)]
-    # Packed products split their rows over the cores themselves: a second stream only competes.
-    split = [m for m in mlps if not isinstance(m.up_proj, kernels.PackedLinear)]
-    for mlp in mlps:
-        mlp.use_streams(1 if isinstance(mlp.up_proj, kernels.PackedLinear) else streams)
-    if split and streams > 1:
-        notes.append(f"{len(split)} MLPs: decode gate and up products on {streams} CPU streams ({STREAMS_SWITCH}=0: one)")
+    split = 0
+    for _, mlp in graph.named_modules():
+        if isinstance(mlp, GeGLUMLP):
+            own = 1 if isinstance(mlp.up_proj, kernels.PackedLinear) else streams  # a second stream only competes
+            mlp.use_streams(own)
+            split += own > 1
+    if split:
+        notes.append(f"{split} MLPs: decode gate and up products on {streams} CPU streams ({STREAMS_SWITCH}=0: one)")
     mx.clear_cache()  # buffers freed by the casts, dequantization and relayout go back to the system
     return notes
 
