@@ -129,11 +129,11 @@ def spawn(stack: str, folder: Path, args, batch: int = 1) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def cell(values: list[float], digits: int = 1) -> str:
-    if not values:
-        return "-"
-    mid = statistics.median(values)
-    return f"{mid:.{digits}f}" if len(values) == 1 else f"{mid:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+def shown(values: list[float], digits: int = 1) -> str:
+    """``benchmarks.speed.cell`` (median [range]), or "-" when every run of the cell failed."""
+    from benchmarks.speed import cell
+
+    return cell(values, digits) if values else "-"
 
 
 def main() -> None:
@@ -181,9 +181,9 @@ def main() -> None:
         errors = [r["error"] for r in results[("ours", batch)] + results[("mlx-lm", batch)] if "error" in r]
         ratio = statistics.median(r["decode_tps"] for r in ours) / statistics.median(r["decode_tps"] for r in peer) if ours and peer else None
         lines.append(
-            f"| {batch} | {cell([r['decode_tps'] for r in ours])} | {cell([r['decode_tps'] for r in peer])} | "
-            f"{'-' if ratio is None else f'{ratio:.2f}x'} | {cell([r['peak_gb'] / batch for r in ours], 2)} | "
-            f"{cell([r['peak_gb'] / batch for r in peer], 2)} |" + (f" errors: {errors}" if errors else "")
+            f"| {batch} | {shown([r['decode_tps'] for r in ours])} | {shown([r['decode_tps'] for r in peer])} | "
+            f"{'-' if ratio is None else f'{ratio:.2f}x'} | {shown([r['peak_gb'] / batch for r in ours], 2)} | "
+            f"{shown([r['peak_gb'] / batch for r in peer], 2)} |" + (f" errors: {errors}" if errors else "")
         )
     if args.system:
         system = spawn("system", folder, args)

@@ -9,6 +9,7 @@ from typing import Iterator, Sequence
 import mlx.core as mx
 
 from models.checks import check_token_ids, id_array, id_list, no_tokenizer_error
+from models.generation.batch import BatchGenerator, BatchRequest
 from models.generation.generate import (
     DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions, check_context, generate_tokens,
 )  # fmt: skip
@@ -269,8 +270,6 @@ class Model(MediaMixin):
         """The answers to ``prompts``, generated together (``models.generation.batch``): each
         equals what ``generate`` gives that prompt alone. ``sampling`` is one set of options for
         all, or one per prompt (each with its own seed)."""
-        from models.generation.batch import BatchGenerator, BatchRequest
-
         if self.tokenizer is None:
             raise no_tokenizer_error(self.path, "batch_generate (which returns text)", "BatchGenerator.run returns ids")
         options = sampling if isinstance(sampling, (list, tuple)) else [sampling or SamplingOptions()] * len(prompts)

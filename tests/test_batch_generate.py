@@ -5,7 +5,6 @@ MoE), Gemma 3, prompts with images, quantized KV and sampled requests with seeds
 
 from __future__ import annotations
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -146,7 +145,7 @@ def test_bad_requests_are_named_and_do_not_disturb_the_batch(gemma4):
         generator.submit(BatchRequest([], max_tokens=3))
     with pytest.raises(ValueError, match="max_tokens"):
         generator.submit(BatchRequest([2, 5], max_tokens=0))
-    with pytest.raises(ValueError, match="do not fit the context"):
+    with pytest.raises(ValueError, match="does not fit the context: 0 cached \\+ 600 new positions"):
         generator.submit(BatchRequest([5] * 600, max_tokens=3))
     with pytest.raises(ValueError, match="top_p"):
         generator.submit(BatchRequest([2, 5], sampling=_bad_top_p()))

@@ -30,7 +30,7 @@ from cache import batch_caches, cache_offset
 
 from models.checks import id_list
 from models.generation.generate import (
-    DEFAULT_PREFILL_STEP, KVQuantization, SamplingOptions, TokenSampler, check_positive_int, prefill,
+    DEFAULT_PREFILL_STEP, KVQuantization, SamplingOptions, TokenSampler, check_context, check_positive_int, prefill,
 )  # fmt: skip
 from models.generation.prompts import Prompt
 
@@ -245,14 +245,9 @@ class BatchGenerator:
         return BatchEvent(row.request_id, token, done, len(row.prompt), row.generated, row.reused)
 
     def _check_fits(self, prompt: Prompt) -> None:
-        max_context = self.model.max_context
         if not len(prompt):
             raise ValueError("submit: the prompt is empty")
-        if max_context is not None and len(prompt) > max_context:
-            raise ValueError(
-                f"submit: the prompt's {len(prompt)} positions do not fit the context "
-                f"(max_position_embeddings {max_context})"
-            )
+        check_context([], len(prompt), self.model.max_context)  # a request starts from empty caches
 
     def run(self, requests: Sequence[BatchRequest]) -> list[list[int]]:
         """Submit ``requests``, step until they all end, and return each one's generated ids (stop
