@@ -117,6 +117,10 @@ SWITCHES: dict[str, Switch] = {
             "the decode step's q/k RMSNorm + RoPE through mx.compile",
         ),
         Switch(
+            "GEMMA_ZOO_COMPILE_STEP", "bool", True,
+            "one-position forwards (decode steps) through the whole graph compiled once (graphs.decode_step)",
+        ),
+        Switch(
             "GEMMA_ZOO_CPU_QUANT", "choice", "auto",
             "quantized layers on a CPU with a fast BLAS (auto: the packed kernels where built; else dequantized to float32 if that fits in memory, else float32 scales)",
             choices=("auto", "dequantize", "fp32-scales", "as-stored", "packed"),

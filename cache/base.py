@@ -33,6 +33,23 @@ class MediaSplitError(ValueError):
     placed whole)."""
 
 
+class DecodeRun(NamedTuple):
+    """One layer's next decode position, for a step compiled whole: the planes it writes into, the
+    row it is written at, and the ``size`` rows from ``start`` its query reads (rows past the new
+    one are masked; ``cache.positioned``)."""
+
+    keys: Planes
+    values: Planes
+    write_row: int
+    start: int
+    size: int
+
+    @property
+    def masked(self) -> bool:
+        """The read spans rows past the new position (not yet written)."""
+        return self.start + self.size > self.write_row + 1
+
+
 class Attended(NamedTuple):
     """What one writing read attended: replayed by a shared view with its own queries."""
 
@@ -171,6 +188,31 @@ class AttentionCache:
         """What this cache is, for ``check_caches``: its kind and window (``index_of`` is used only
         by shared views, to find their donor in a cache list)."""
         return CacheSpec(self.kind, self.sliding_window)
+
+    # ---------------------------------------------------------------------- compiled decode steps
+    def decode_run(self) -> DecodeRun | None:
+        """Host side of a decode step compiled whole (``cache.positioned``): make room for one more
+        position (growing or compacting the buffer here, outside the compiled function) and say
+        where it is written and which fixed-length run of rows its query reads. None while the
+        cache holds no positions (the first one is never a compiled step's)."""
+        if self.keys is None or not self._rows:
+            return None
+        B, Hkv, D, Dv, dtype = self._geometry
+        like_k, like_v = mx.zeros((B, Hkv, 1, D), dtype=dtype), mx.zeros((B, Hkv, 1, Dv), dtype=dtype)
+        write_row, size = self._decode_room(like_k, like_v)
+        return DecodeRun(self.keys, self.values, write_row, max(0, write_row + 1 - size), size)
+
+    def commit_decode(self, keys: Planes, values: Planes) -> None:
+        """Take the planes a compiled decode step wrote (one position more, at ``decode_run``'s row)."""
+        self.keys, self.values = tuple(keys), tuple(values)
+        self._rows += 1
+        self.offset += 1
+        self._last = None
+        self._ends_in_image = None
+
+    def _decode_room(self, like_k: mx.array, like_v: mx.array) -> tuple[int, int]:
+        """Subclass hook: room for one position; ``(row it is written at, rows a decode read spans)``."""
+        raise NotImplementedError
 
     # ------------------------------------------------------------------------------ bookkeeping
     @property
@@ -358,6 +400,13 @@ class AttentionCache:
         return ()
 
 
+def _same_offset(a, b) -> bool:
+    """Offsets are ints, or inside a compiled step one array per forward: the same object."""
+    if isinstance(a, mx.array) or isinstance(b, mx.array):
+        return a is b
+    return a == b
+
+
 def _geometry(k: mx.array, v: mx.array) -> tuple:
     """``(B, Hkv, D, Dv, dtype)`` of new keys and values."""
     return (k.shape[0], k.shape[1], k.shape[3], v.shape[3], k.dtype)
@@ -432,7 +481,7 @@ class SharedView:
         check_query(read, "q", q)
         scale = check_scale(read, scale)
         last = self.donor._last
-        if last is None or last.offset != self.donor.offset:
+        if last is None or not _same_offset(last.offset, self.donor.offset):
             raise ValueError(f"{read}: the donor cache has no read in this forward to share")
         if last.read != read or not 1 <= q.shape[2] <= last.length:
             raise ValueError(

@@ -61,6 +61,11 @@ class KVCache(AttentionCache):
             self.keys = concat(rows(self.keys, 0, self._rows), fresh_k)
             self.values = concat(rows(self.values, 0, self._rows), fresh_v)
 
+    def _decode_room(self, like_k, like_v):
+        # Every stored row is read: the whole buffer, the rows past the new position masked.
+        self._reserve(self._rows + 1, like_k, like_v)
+        return self._rows, self.keys[0].shape[2]
+
     def _append(self, k, v, raw_k, raw_v):
         n, L = self._rows, raw_k.shape[2]
         self._reserve(n + L, raw_k, raw_v)

@@ -99,11 +99,9 @@ def draft(q_start: int, L: int, k_start: int, T: int, window: int | None):
     return mx.broadcast_to(kpos >= q_start - window - 1, (L, T))
 
 
-def filled(position: mx.array, size: int) -> mx.array:
-    """Decode over a fixed buffer of ``size`` slots written at ``position % size``, the position an
-    array (one compiled step serves every token): the slots that hold a key, ``[size]`` booleans.
-
-    Slot ``i`` holds a key once ``i <= position``; a sliding layer's ring of ``window`` slots is then
-    exactly the keys in ``(position - window, position]``.
-    """
-    return mx.arange(size) <= position
+def decode_run(start: mx.array, size: int, write_row: mx.array) -> mx.array:
+    """A decode step compiled whole (``cache.positioned``): its query reads ``size`` stored rows from
+    row ``start`` and was written at ``write_row`` (both arrays, so one compiled step serves every
+    token). Rows hold positions in temporal order and the run never spans more than a window, so
+    the visible keys are exactly the rows up to the new one: ``[1, size]`` booleans."""
+    return (start + mx.arange(size))[None] <= write_row

@@ -129,6 +129,12 @@ class RotatingKVCache(AttentionCache):
         self._rows = n + L
         return rows(self.keys, n - h, n + L), rows(self.values, n - h, n + L), self.offset - h
 
+    def _decode_room(self, like_k, like_v):
+        # One position always fits (the capacity exceeds the window); the read is the newest
+        # ``window`` rows, fewer (masked) while the buffer is smaller than the window.
+        self._make_room(1, like_k, like_v)
+        return self._rows, min(self.sliding_window, self.keys[0].shape[2])
+
     def _append_oversized(self, k, v, raw_k, raw_v):
         n, L, h = self._rows, raw_k.shape[2], self._history()
         if h:

@@ -130,7 +130,8 @@ class Gemma4TextModel(VocabularyHead, CheckedCaches, nn.Module):
         ``with_hidden`` also returns the final normed hidden states (what a Gemma 4 assistant reads).
         """
         if self.config.use_bidirectional_attention == "all":
-            if cache is not None and cache[0].offset:
+            offset = 0 if cache is None else cache[0].offset  # an array inside a compiled decode step
+            if isinstance(offset, mx.array) or offset:
                 raise ValueError("Gemma 4 use_bidirectional_attention='all' encodes a whole sequence at once; "
                                  "it has no incremental (cached) generation")
             return self.forward(input_ids, cache or self.make_cache(), Read.bidirectional(), last_only, with_hidden)

@@ -86,9 +86,10 @@ class RoPE(nn.Module):
         self._inv_freq = mx.array(inv_freq.astype(np.float32))
         self._table_key, self._cos, self._sin = None, None, None
 
-    def __call__(self, x: mx.array, offset: int | tuple[int, ...]) -> mx.array:
+    def __call__(self, x: mx.array, offset: int | tuple[int, ...] | mx.array) -> mx.array:
         """``x [B, H, L, D]`` at absolute positions ``offset .. offset + L - 1``; a tuple gives each
-        row of a ragged batch its own offset (``cache.batch``)."""
+        row of a ragged batch its own offset (``cache.batch``), a scalar array is the offset of a
+        decode step compiled whole (``graphs.decode_step``)."""
         if cpu_math.active():
             return cpu_math.rotate(x, *self.tables(offset, x.shape[-2]))
         if isinstance(offset, tuple):
@@ -107,18 +108,30 @@ class RoPE(nn.Module):
         """``mx.fast.rope``'s ``freqs`` (the period of each pair) for the proportional kind."""
         return self._periods
 
-    def tables(self, offset: int | tuple[int, ...], length: int) -> tuple[mx.array, mx.array]:
+    def tables(self, offset: int | tuple[int, ...] | mx.array, length: int) -> tuple[mx.array, mx.array]:
         """float32 ``cos`` and ``sin`` ``[length, D/2]`` of positions ``offset ..`` (``[B, 1, length,
         D/2]`` for per-row offsets: the same values each row gets alone), kept for the next call with
-        the same positions (the other layers of this kind in the same forward)."""
-        if self._table_key != (offset, length):
-            if isinstance(offset, tuple):
+        the same positions (the other layers of this kind in the same forward; an array offset is
+        the same positions only as the same object)."""
+        if not self._same_positions(offset, length):
+            if isinstance(offset, mx.array):
+                positions = offset.astype(mx.float32) + mx.arange(length, dtype=mx.float32)
+                angles = positions[:, None] * self._inv_freq[None]
+            elif isinstance(offset, tuple):
                 positions = mx.array(offset, dtype=mx.float32)[:, None] + mx.arange(length, dtype=mx.float32)[None]
                 angles = positions[:, None, :, None] * self._inv_freq
             else:
                 angles = mx.arange(offset, offset + length, dtype=mx.float32)[:, None] * self._inv_freq[None]
             self._table_key, self._cos, self._sin = (offset, length), mx.cos(angles), mx.sin(angles)
         return self._cos, self._sin
+
+    def _same_positions(self, offset, length: int) -> bool:
+        if self._table_key is None or self._table_key[1] != length:
+            return False
+        kept = self._table_key[0]
+        if isinstance(kept, mx.array) or isinstance(offset, mx.array):
+            return kept is offset
+        return kept == offset
 
 
 def float_dtype(module: nn.Module) -> mx.Dtype:

@@ -8,6 +8,9 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
+import zoo_switches
+from graphs.decode_step import CompiledDecode
+
 from models.checks import check_token_ids, id_array, id_list, no_tokenizer_error
 from models.generation.batch import BatchGenerator, BatchRequest
 from models.generation.generate import (
@@ -52,6 +55,9 @@ class Model(MediaMixin):
         # The per-image budget when a call gives none; None: the checkpoint's image processor setting
         # (processor_config.json / preprocessor_config.json), transformers' default 280 when absent.
         self.max_soft_tokens: int | None = None
+        # One position through the whole graph compiled once (None where it does not apply:
+        # graphs.decode_step); GEMMA_ZOO_COMPILE_STEP=0 keeps the plain step.
+        self.decode_step = CompiledDecode(graph)
 
     # ------------------------------------------------------------------------------ forward
     def make_cache(self) -> list:
@@ -72,6 +78,10 @@ class Model(MediaMixin):
         a sampled id is below the vocabulary size; checking it would wait for it on every step)."""
         self._check_context(cache, input_ids.shape[-1])
         if image_features is None:
+            if input_ids.shape[-1] == 1 and cache is not None and zoo_switches.enabled("GEMMA_ZOO_COMPILE_STEP"):
+                logits = self.decode_step(input_ids, cache)
+                if logits is not None:
+                    return logits
             return self.graph(input_ids, cache=cache, last_only=last_only)
         self._check_vision()
         return self.graph(input_ids, cache=cache, last_only=last_only, image_features=image_features)
