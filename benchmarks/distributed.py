@@ -31,12 +31,13 @@ import json
 import os
 import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+from benchmarks.speed import cell
 
 ROOT = Path(__file__).resolve().parent.parent
 COLLECTIVES = ("all_sum", "all_gather", "send", "recv")
@@ -171,10 +172,6 @@ def run(command: list[str], env: dict) -> list[dict]:
     if not reports:
         raise RuntimeError(f"{' '.join(command[:6])} ... reported nothing:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     return sorted(reports, key=lambda r: r["rank"])
-
-
-def cell(values: list[float]) -> str:
-    return f"{statistics.median(values):.1f} [{min(values):.1f}-{max(values):.1f}]"
 
 
 def table(title: str, reports: dict[str, list[dict]]) -> None:
