@@ -109,6 +109,10 @@ SWITCHES: dict[str, Switch] = {
             "on the CPU, exp (softmax), tanh (GELU, softcap) and RoPE as vectorised compiled kernels; off: MLX's own ops",
         ),
         Switch(
+            "GEMMA_ZOO_PREFILL_KERNELS", "bool", True,
+            "with GEMMA_ZOO_FAST_MATH on the CPU where the C++ extension is built: a prefill's attention and GeGLU gate as fused float32 kernels on both cores; off: the compiled chains",
+        ),
+        Switch(
             "GEMMA_ZOO_STREAMS", "bool", True,
             "few-row products (the output head, the decode MLP's gate and up) split across two CPU streams",
         ),

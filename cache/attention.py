@@ -10,7 +10,10 @@ most ``BLOCK_SCORES_UNMASKED`` scores: with no mask to slice, a block can hold m
 one head than of all heads together, so the products are larger and there are fewer of them
 (measured faster than both the all-heads blocks and MLX's fused kernel at vision-tower budgets
 70 to 560 soft tokens, and than the all-heads blocks at 1120). A single query (decode) keeps MLX's kernel, which is the faster
-of the two there. ``docs/speed.md`` has the measurements.
+of the two there. Where the zoo's C++ extension is built (``cache.cpu_math.native``), float32
+queries of a chunk go instead through its fused attention: per block of 32 query rows of one head,
+the scores, masked softmax and product with the values on both cores, the blocks above unused.
+``docs/speed.md`` has the measurements.
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) ->
     """``softmax(q k^T * scale + mask) v`` with GQA; ``mask`` as ``cache.masks`` builds it."""
     if q.shape[2] == 1 or not cpu_math.active():
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    kernels = cpu_math.native()
+    if kernels is not None and kernels.takes(q, keys, values, mask):
+        return kernels.attention(q, keys, values, scale, mask)
     if mask is None:
         return _attend_unmasked(q, keys, values, scale)
     B, Hq, L, _ = q.shape

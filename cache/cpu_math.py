@@ -12,6 +12,10 @@ within 4e-6), ``tanh`` within 4e-7 absolute (Eigen's rational ``[13/6]`` approxi
 XLA uses). They are used only where the default device is the CPU; GPUs keep MLX's fused kernels
 (``mx.fast.scaled_dot_product_attention``, ``nn.gelu_approx``). ``GEMMA_ZOO_FAST_MATH=0`` turns
 them off on the CPU too. Without a C++ compiler MLX runs the same chains unfused.
+
+Where the zoo's C++ extension is built, a prefill's attention and GeGLU gate run instead as fused
+kernels on both cores with the same arithmetic (``install``; ``GEMMA_ZOO_PREFILL_KERNELS=0`` keeps
+the chains here).
 """
 
 from __future__ import annotations
@@ -28,11 +32,34 @@ import mlx.nn as nn
 import zoo_switches
 
 ENV = "GEMMA_ZOO_FAST_MATH"
+NATIVE_ENV = "GEMMA_ZOO_PREFILL_KERNELS"
 
 
 def active() -> bool:
     """Whether the polynomial kernels replace MLX's ops: on the CPU, unless switched off."""
     return zoo_switches.enabled(ENV) and mx.default_device() == mx.cpu
+
+
+# ---------------------------------------------------------------------------------------- the extension's kernels
+# A prefill's attention and GeGLU gate as fused kernels on both cores (``kernels.prefill``, a C++
+# extension). ``cache`` imports nothing of the project, so the models layer, which may import
+# ``kernels``, installs them here when the extension is built (``models/cpu_kernels.py``).
+_native = None
+
+
+def install(native) -> None:
+    """Use ``native`` for float32 prefill work on the CPU: a module or object with ``takes(q, keys,
+    values, mask)``, ``attention(q, keys, values, scale, mask)`` and ``gelu_gated(up, gate)``
+    (``kernels.prefill``); ``None`` removes it."""
+    global _native
+    _native = native
+
+
+def native():
+    """The installed kernels when they run: on the CPU with ``active()``, unless ``GEMMA_ZOO_PREFILL_KERNELS=0``."""
+    if _native is None or not active() or not zoo_switches.enabled(NATIVE_ENV):
+        return None
+    return _native
 
 
 # ---------------------------------------------------------------------------------------- exp
@@ -131,9 +158,13 @@ def tanh(x: mx.array) -> mx.array:
 
 def gelu_gated(up: mx.array, gate: mx.array) -> mx.array:
     """GeGLU's gating ``gelu(gate) * up`` with the tanh GELU (transformers' ``gelu_pytorch_tanh``);
-    on the CPU the GELU is computed in float32 and rounded once to ``gate``'s dtype, as torch does."""
+    on the CPU the GELU is computed in float32 and rounded once to ``gate``'s dtype, as torch does.
+    Float32 rows of a prefill take the installed kernel (both cores); a decode row the compiled chain."""
     if not active():
         return nn.gelu_approx(gate) * up
+    kernels = native()
+    if kernels is not None and up.dtype == gate.dtype == mx.float32 and up.shape == gate.shape and up.size > up.shape[-1]:
+        return kernels.gelu_gated(up, gate)
     return _gelu_gated(up, gate)
 
 

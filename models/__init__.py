@@ -10,7 +10,10 @@ import zoo_blas  # noqa: F401  (first: loads a fast BLAS before anything imports
 
 from weights import ModelNotAvailableError
 
+from . import cpu_kernels
 from .loading import load
 from .model import Model
+
+cpu_kernels.install()  # a prefill's attention and GeGLU gate on the C++ extension's kernels, where built
 
 __all__ = ["load", "Model", "ModelNotAvailableError"]

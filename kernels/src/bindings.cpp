@@ -2,10 +2,12 @@
 // that MLX's own array type is shared with mlx.core.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include "packed.h"
+#include "prefill.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -17,6 +19,11 @@ NB_MODULE(_packed, m) {
         "x [..., K] @ dequantize(w, scales, biases).T in float32, w [N, K * bits / 32] uint32 (MLX's affine layout)");
   m.def("packed_dequantize", &zoo::packed_dequantize, "w"_a, "scales"_a, "biases"_a, "group_size"_a, "bits"_a,
         "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(), "dequantize(w, scales, biases) as a float32 [N, K] array");
+  m.def("prefill_attention", &zoo::prefill_attention, "q"_a, "k"_a, "v"_a, "scale"_a, "mask"_a = nb::none(),
+        "causal"_a = false, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
+        "softmax(q k^T * scale + mask) v in float32, fused and split over the threads (a prefill chunk's queries)");
+  m.def("gelu_gate", &zoo::gelu_gate, "up"_a, "gate"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
+        "gelu_tanh(gate) * up in float32, split over the threads");
   m.def("available_isas", &zoo::available_isas, "instruction sets this CPU and build run, widest first");
   m.def("threads", &zoo::threads, "threads the products split their rows over");
   m.def("set_threads", &zoo::set_threads, "n"_a, "split products over at most n threads (1 to the CPUs available)");

@@ -50,7 +50,7 @@ std::vector<std::string> available_isas() {
   return out;
 }
 
-static Isa parse_isa(const std::string& name) {
+Isa parse_isa(const std::string& name) {
   if (name.empty()) return best_isa();
   for (int i = static_cast<int>(best_isa()); i >= 0; --i)
     if (name == isa_name(static_cast<Isa>(i))) return static_cast<Isa>(i);
@@ -180,6 +180,7 @@ class Pool {
 
 int threads() { return Pool::get().size(); }
 void set_threads(int n) { Pool::get().set_size(n); }
+void parallel_chunks(int chunks, void (*fn)(void*, int), void* ctx) { Pool::get().run(chunks, fn, ctx); }
 
 // Rows are split into chunks of whole 16-row blocks, about kChunksPerThread per thread; products
 // under kSplitBytes of weights (the 270M's key and value projections) stay on the calling thread.

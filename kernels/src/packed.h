@@ -31,6 +31,11 @@ int threads();
 void set_threads(int n);
 // The MLX version the extension was compiled against (its headers).
 std::string built_for_mlx();
+// The instruction set an ``isa`` argument names ("" for the best), or std::invalid_argument.
+Isa parse_isa(const std::string& name);
+// Chunks [0, chunks) of fn(ctx, chunk) on the calling thread and the pool's workers (the prefill
+// kernels split their work this way too).
+void parallel_chunks(int chunks, void (*fn)(void*, int), void* ctx);
 
 // What both primitives share: the layout (group size, bits), the kernels' instruction set, and no GPU.
 class PackedPrimitive : public mx::UnaryPrimitive {

@@ -1,0 +1,265 @@
+// The prefill primitives' CPU evaluation: argument checks, the instruction-set choice, and the
+// split of the work into jobs for the extension's thread pool (packed.cpp).
+#include "prefill.h"
+
+#include <sstream>
+#include <stdexcept>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/common/utils.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "packed.h"
+
+namespace zoo {
+
+namespace {
+
+struct Kernels {
+  void (*pack_keys)(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
+  int (*key_block)();
+  void (*attention_block)(const AttentionArgs&, int64_t, int64_t, int64_t, int64_t, const float*, float*);
+  void (*gelu_gate)(const float*, const float*, int64_t, int64_t, float*);
+};
+
+#define ZOO_KERNELS_OF(ns) Kernels{ns::pack_keys, ns::key_block, ns::attention_block, ns::gelu_gate}
+
+Kernels kernels_for(Isa isa) {
+#if defined(__x86_64__) && defined(ZOO_X86_KERNELS)
+  if (isa == Isa::avx512) return ZOO_KERNELS_OF(prefill_avx512);
+  if (isa == Isa::avx2) return ZOO_KERNELS_OF(prefill_avx2);
+#endif
+  return ZOO_KERNELS_OF(prefill_portable);
+}
+#undef ZOO_KERNELS_OF
+
+std::string shape_of(const mx::array& a) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < a.ndim(); ++i) s << (i ? ", " : "") << a.shape(i);
+  s << "]";
+  return s.str();
+}
+
+[[noreturn]] void fail(const std::string& op, const std::string& what) { throw std::invalid_argument(op + ": " + what); }
+
+mx::Stream cpu_only(const char* op, mx::StreamOrDevice s) {
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) fail(op, "runs on MLX's CPU device only; this stream is on another device");
+  return stream;
+}
+
+void check_float32(const char* op, const char* name, const mx::array& a) {
+  if (a.dtype() != mx::float32) {
+    std::ostringstream s;
+    s << name << " must be float32, got " << a.dtype();
+    fail(op, s.str());
+  }
+}
+
+// A rank-4 float32 array as base pointer and (batch, head, row) strides with a contiguous last
+// axis; an array whose last axis is strided is copied (rare: the graphs' views keep it contiguous).
+const float* rows_of(const mx::array& a, int64_t stride[3], std::vector<float>& copy) {
+  if (a.strides(3) == 1 || a.shape(3) == 1) {
+    for (int i = 0; i < 3; ++i) stride[i] = a.shape(i) == 1 ? 0 : a.strides(i);
+    return a.data<float>();
+  }
+  copy.resize(a.size());
+  const float* src = a.data<float>();
+  for (size_t i = 0; i < a.size(); ++i) copy[i] = src[mx::elem_to_loc(static_cast<int64_t>(i), a.shape(), a.strides())];
+  stride[2] = a.shape(3);
+  stride[1] = stride[2] * a.shape(2);
+  stride[0] = stride[1] * a.shape(1);
+  return copy.data();
+}
+
+struct PackJob {
+  const AttentionArgs* a;
+  Kernels kn;
+  float* panels;
+  int64_t panels_per_head;  // key panels of one (batch, kv head)
+  int64_t per_chunk;        // panels a chunk packs
+  int64_t chunks_per_head;
+};
+
+void pack_chunk(void* ctx, int chunk) {
+  const auto& j = *static_cast<const PackJob*>(ctx);
+  const auto& a = *j.a;
+  const int64_t head = chunk / j.chunks_per_head, part = chunk % j.chunks_per_head;
+  const int64_t b = head / a.Hkv, hk = head % a.Hkv;
+  const int64_t jb0 = part * j.per_chunk;
+  const int64_t jb1 = jb0 + j.per_chunk < j.panels_per_head ? jb0 + j.per_chunk : j.panels_per_head;
+  const int64_t panel_floats = a.D * j.kn.key_block();
+  // The kernel writes panels jb0.. relative to the head's first panel.
+  j.kn.pack_keys(a.k + b * a.k_stride[0] + hk * a.k_stride[1], a.k_stride[2], a.T, a.D, jb0, jb1,
+                 j.panels + head * j.panels_per_head * panel_floats);
+}
+
+struct AttendJob {
+  const AttentionArgs* a;
+  Kernels kn;
+  const float* panels;
+  int64_t head_floats;  // floats of one (batch, kv head)'s panels
+  int64_t blocks;       // row blocks of one (batch, query head)
+  int64_t scratch_floats;
+};
+
+// Chunk c: the heaviest blocks (a causal chunk's last rows see the most keys) go first, every
+// (batch, head) of one block index together, so the threads finish close together.
+void attend_chunk(void* ctx, int chunk) {
+  const auto& j = *static_cast<const AttendJob*>(ctx);
+  const auto& a = *j.a;
+  const int64_t heads = a.B * a.Hq;
+  const int64_t block = j.blocks - 1 - chunk / heads, bh = chunk % heads;
+  const int64_t b = bh / a.Hq, h = bh % a.Hq;
+  const int64_t i0 = block * kBlockRows, i1 = i0 + kBlockRows < a.L ? i0 + kBlockRows : a.L;
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < j.scratch_floats) scratch.resize(j.scratch_floats);
+  const int64_t hk = h / (a.Hq / a.Hkv);
+  j.kn.attention_block(a, b, h, i0, i1, j.panels + (b * a.Hkv + hk) * j.head_floats, scratch.data());
+}
+
+void run_attention(AttentionArgs a, Isa isa) {
+  const Kernels kn = kernels_for(isa);
+  const int64_t nb = kn.key_block();
+  const int64_t panels_per_head = (a.T + nb - 1) / nb;
+  const int64_t head_floats = panels_per_head * nb * a.D;
+  std::vector<float> panels(a.B * a.Hkv * head_floats);
+  const int64_t per_chunk = 8;
+  PackJob pack{&a, kn, panels.data(), panels_per_head, per_chunk, (panels_per_head + per_chunk - 1) / per_chunk};
+  parallel_chunks(static_cast<int>(a.B * a.Hkv * pack.chunks_per_head), pack_chunk, &pack);
+  const int64_t blocks = (a.L + kBlockRows - 1) / kBlockRows;
+  AttendJob attend{&a, kn, panels.data(), head_floats, blocks, kBlockRows * panels_per_head * nb};
+  parallel_chunks(static_cast<int>(a.B * a.Hq * blocks), attend_chunk, &attend);
+}
+
+struct GeluJob {
+  Kernels kn;
+  const float* up;
+  const float* gate;
+  float* out;
+  int64_t n;
+  int chunks;
+};
+
+void gelu_chunk(void* ctx, int chunk) {
+  const auto& j = *static_cast<const GeluJob*>(ctx);
+  const int64_t i0 = j.n * chunk / j.chunks, i1 = j.n * (chunk + 1) / j.chunks;
+  j.kn.gelu_gate(j.up, j.gate, i0, i1, j.out);
+}
+
+constexpr int64_t kGeluChunk = 1 << 14;  // elements below which a chunk is not worth a thread
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------ the ops
+mx::array prefill_attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
+                            const std::optional<mx::array>& mask, bool causal, const std::string& isa,
+                            mx::StreamOrDevice s) {
+  const char* op = "prefill_attention";
+  auto stream = cpu_only(op, s);
+  check_float32(op, "q", q);
+  check_float32(op, "k", k);
+  check_float32(op, "v", v);
+  if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
+    fail(op, "q, k and v must be rank 4 [B, H, L, D], got " + shape_of(q) + ", " + shape_of(k) + ", " + shape_of(v));
+  const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
+  const int Hkv = k.shape(1), T = k.shape(2);
+  if (k.shape(0) != B || v.shape(0) != B || v.shape(1) != Hkv || v.shape(2) != T || k.shape(3) != D)
+    fail(op, "k " + shape_of(k) + " and v " + shape_of(v) + " do not match q " + shape_of(q) +
+                 " (k [B, Hkv, T, D], v [B, Hkv, T, Dv])");
+  if (Hkv < 1 || Hq % Hkv != 0) fail(op, "query heads " + std::to_string(Hq) + " are not a multiple of kv heads " + std::to_string(Hkv));
+  if (causal && T < L) fail(op, "a causal read needs at least as many keys as queries, got T=" + std::to_string(T) + " < L=" + std::to_string(L));
+  if (!(scale > 0.0f)) fail(op, "scale must be > 0, got " + std::to_string(scale));
+  std::vector<mx::array> inputs{q, k, v};
+  if (mask) {
+    const auto& m = *mask;
+    const bool rank2 = m.ndim() == 2 && m.shape(0) == L && m.shape(1) == T;
+    const bool rank4 = m.ndim() == 4 && (m.shape(0) == B || m.shape(0) == 1) && m.shape(1) == 1 && m.shape(2) == L &&
+                       m.shape(3) == T;
+    if (m.dtype() != mx::bool_ || !(rank2 || rank4))
+      fail(op, "mask must be bool [L, T] or [B or 1, 1, L, T] with L=" + std::to_string(L) + ", T=" +
+                   std::to_string(T) + ", got " + shape_of(m));
+    inputs.push_back(m);
+  }
+  return mx::array({B, Hq, L, static_cast<int>(v.shape(3))}, mx::float32,
+                   std::make_shared<PrefillAttention>(stream, parse_isa(isa), scale, causal, mask.has_value()),
+                   std::move(inputs));
+}
+
+mx::array gelu_gate(const mx::array& up, const mx::array& gate, const std::string& isa, mx::StreamOrDevice s) {
+  const char* op = "gelu_gate";
+  auto stream = cpu_only(op, s);
+  check_float32(op, "up", up);
+  check_float32(op, "gate", gate);
+  if (up.shape() != gate.shape()) fail(op, "up " + shape_of(up) + " and gate " + shape_of(gate) + " must have one shape");
+  return mx::array(up.shape(), mx::float32, std::make_shared<GeluGate>(stream, parse_isa(isa)),
+                   {mx::contiguous(up, false, stream), mx::contiguous(gate, false, stream)});
+}
+
+// ------------------------------------------------------------------------------------ evaluation
+void PrefillAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  encoder.dispatch([inputs, out = out.data<float>(), isa = isa_, scale = scale_, causal = causal_,
+                    masked = masked_]() {
+    const auto &q = inputs[0], &k = inputs[1], &v = inputs[2];
+    AttentionArgs a{};
+    std::vector<float> qc, kc, vc;
+    a.q = rows_of(q, a.q_stride, qc);
+    a.k = rows_of(k, a.k_stride, kc);
+    a.v = rows_of(v, a.v_stride, vc);
+    a.B = q.shape(0), a.Hq = q.shape(1), a.L = q.shape(2), a.D = q.shape(3);
+    a.Hkv = k.shape(1), a.T = k.shape(2), a.Dv = v.shape(3);
+    a.scale = scale;
+    a.causal = causal;
+    a.out = out;
+    if (masked) {
+      const auto& m = inputs[3];
+      a.mask = reinterpret_cast<const uint8_t*>(m.data<bool>());
+      const int r = m.ndim() == 4 ? 2 : 0;  // the query-row axis
+      a.mask_stride[0] = m.ndim() == 4 && m.shape(0) > 1 ? m.strides(0) : 0;
+      a.mask_stride[1] = m.strides(r);
+      a.mask_stride[2] = m.strides(r + 1);
+    }
+    if (a.B * a.Hq * a.L == 0 || a.Dv == 0) return;
+    run_attention(a, isa);
+  });
+}
+
+void GeluGate::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  const int64_t n = out.size();
+  const int64_t wanted = n / kGeluChunk;
+  const int chunks = static_cast<int>(wanted < 1 ? 1 : (wanted > 8 ? 8 : wanted));
+  encoder.dispatch([job = GeluJob{kernels_for(isa_), inputs[0].data<float>(), inputs[1].data<float>(),
+                                  out.data<float>(), n, chunks}]() mutable {
+    if (job.n) parallel_chunks(job.chunks, gelu_chunk, &job);
+  });
+}
+
+void PrefillPrimitive::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error(std::string(name()) + " runs on MLX's CPU device only");
+}
+
+std::vector<mx::Shape> PrefillAttention::output_shapes(const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), inputs[0].shape(1), inputs[0].shape(2), inputs[2].shape(3)}};
+}
+
+std::vector<mx::Shape> GeluGate::output_shapes(const std::vector<mx::array>& inputs) { return {inputs[0].shape()}; }
+
+bool PrefillAttention::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const PrefillAttention&>(other);
+  return isa_ == o.isa_ && scale_ == o.scale_ && causal_ == o.causal_ && masked_ == o.masked_;
+}
+
+bool GeluGate::is_equivalent(const mx::Primitive& other) const {
+  return isa_ == static_cast<const GeluGate&>(other).isa_;
+}
+
+}  // namespace zoo

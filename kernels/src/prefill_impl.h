@@ -1,0 +1,233 @@
+// The prefill kernels, written once over GCC/Clang vector extensions of W floats (see prefill.h).
+//
+// Included by prefill_avx512.cpp, prefill_avx2.cpp and prefill_portable.cpp inside their own
+// namespaces, each compiled with its own instruction-set flags and defining W (floats a vector)
+// and MR (query rows a product tile holds: MR x 2 accumulators must fit the vector registers).
+// Everything here has internal linkage, so no function compiled for a wider instruction set can
+// be picked by the linker for a narrower one.
+
+namespace {
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+constexpr int NB = 2 * W;  // keys (or output columns) a tile holds: two vectors
+
+inline vf load(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+inline vf splat(float s) { return vf{} + s; }
+inline vf vmin(vf a, vf b) { return a < b ? a : b; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < W; ++i) s += v[i];
+  return s;
+}
+
+// e^x for x <= 0 (a softmax's shifted scores): Cephes' expf as cache/cpu_math.py computes it,
+// exactly 0 below e^-87.3 (and for -inf).
+inline vf exp_nonpositive(vf x) {
+  const vf low = splat(-87.3f);
+  const vf c = vmax(vmin(x, splat(88.3f)), low);
+  const vf n = (c * splat(1.44269504088896341f) + splat(12582912.0f)) - splat(12582912.0f);
+  const vf r = c - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * (r * r) + r + splat(1.0f);
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  return x >= low ? p * (vf)bits : vf{};
+}
+
+// tanh by Eigen's rational [13/6] approximation, clamped to +-7.905 (cache/cpu_math.py's _tanh).
+inline vf tanh_rational(vf x) {
+  const float clamp = 7.90531110763549805f;
+  x = vmax(vmin(x, splat(clamp)), splat(-clamp));
+  const vf x2 = x * x;
+  vf p = splat(-2.76076847742355e-16f);
+  p = p * x2 + splat(2.00018790482477e-13f);
+  p = p * x2 + splat(-8.60467152213735e-11f);
+  p = p * x2 + splat(5.12229709037114e-08f);
+  p = p * x2 + splat(1.48572235717979e-05f);
+  p = p * x2 + splat(6.37261928875436e-04f);
+  p = p * x2 + splat(4.89352455891786e-03f);
+  vf q = splat(1.19825839466702e-06f);
+  q = q * x2 + splat(1.18534705686654e-04f);
+  q = q * x2 + splat(2.26843463243900e-03f);
+  q = q * x2 + splat(4.89352518554385e-03f);
+  return x * p / q;
+}
+
+inline float tanh_rational(float x) {
+  vf v = splat(x);
+  return tanh_rational(v)[0];
+}
+
+inline vf gelu_gate(vf gate, vf up) {
+  const vf inner = splat(0.7978845608028654f) * (gate + splat(0.044715f) * gate * gate * gate);
+  return splat(0.5f) * gate * (splat(1.0f) + tanh_rational(inner)) * up;
+}
+
+// S[r, j] = q_r . k_j for M query rows (q rows ldq apart) and the keys of packed panels
+// [jb0, jb1) (each D x NB, see pack_keys); S rows lds apart.
+template <int M>
+inline void scores_tile(const float* q, int64_t ldq, const float* panels, int64_t D, int64_t jb0, int64_t jb1,
+                        float* s, int64_t lds) {
+  for (int64_t jb = jb0; jb < jb1; ++jb) {
+    const float* b = panels + jb * D * NB;
+    vf acc[M][2];
+    for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = vf{};
+    for (int64_t d = 0; d < D; ++d) {
+      const vf b0 = load(b + d * NB), b1 = load(b + d * NB + W);
+      for (int r = 0; r < M; ++r) {
+        const vf a = splat(q[r * ldq + d]);
+        acc[r][0] += a * b0;
+        acc[r][1] += a * b1;
+      }
+    }
+    for (int r = 0; r < M; ++r) {
+      store(s + r * lds + jb * NB, acc[r][0]);
+      store(s + r * lds + jb * NB + W, acc[r][1]);
+    }
+  }
+}
+
+// out[r, c0 : c0 + NB] = sum_j P[r, j] v[j, c0 : c0 + NB] over keys [0, n), for M rows.
+template <int M>
+inline void values_tile(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t n, int64_t c0,
+                        float* out, int64_t ldo) {
+  vf acc[M][2];
+  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = vf{};
+  for (int64_t j = 0; j < n; ++j) {
+    const vf b0 = load(v + j * ldv + c0), b1 = load(v + j * ldv + c0 + W);
+    for (int r = 0; r < M; ++r) {
+      const vf a = splat(p[r * ldp + j]);
+      acc[r][0] += a * b0;
+      acc[r][1] += a * b1;
+    }
+  }
+  for (int r = 0; r < M; ++r) {
+    store(out + r * ldo + c0, acc[r][0]);
+    store(out + r * ldo + c0 + W, acc[r][1]);
+  }
+}
+
+// out[r, :] = sum_j P[r, j] v[j, :] over keys [0, n) for M rows (P rows ldp apart, out rows Dv apart).
+template <int M>
+inline void values_rows(const AttentionArgs& a, const float* p, int64_t ldp, const float* v, int64_t n, float* out) {
+  const int64_t full = a.Dv / NB * NB;
+  for (int64_t c0 = 0; c0 < full; c0 += NB) values_tile<M>(p, ldp, v, a.v_stride[2], n, c0, out, a.Dv);
+  for (int64_t c = full; c < a.Dv; ++c)  // columns past the last whole tile
+    for (int r = 0; r < M; ++r) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < n; ++j) acc += p[r * ldp + j] * v[j * a.v_stride[2] + c];
+      out[r * a.Dv + c] = acc;
+    }
+}
+
+}  // namespace
+
+// Keys [j0, j1) (whole panels) of one (batch, kv head) into panels of D x NB floats, zero past T.
+void pack_keys(const float* k, int64_t k_row_stride, int64_t T, int64_t D, int64_t jb0, int64_t jb1, float* panels) {
+  for (int64_t jb = jb0; jb < jb1; ++jb) {
+    float* b = panels + jb * D * NB;
+    for (int c = 0; c < NB; ++c) {
+      const int64_t j = jb * NB + c;
+      if (j < T) {
+        const float* row = k + j * k_row_stride;
+        for (int64_t d = 0; d < D; ++d) b[d * NB + c] = row[d];
+      } else {
+        for (int64_t d = 0; d < D; ++d) b[d * NB + c] = 0.0f;
+      }
+    }
+  }
+}
+
+int key_block() { return NB; }
+
+// One block of query rows [i0, i1) of one (batch, query head): scores against the packed keys,
+// the masked softmax in float32, and the product with the values, written to out rows.
+void attention_block(const AttentionArgs& a, int64_t b, int64_t h, int64_t i0, int64_t i1, const float* panels,
+                     float* s) {
+  const int64_t hk = h / (a.Hq / a.Hkv);
+  const int64_t rows = i1 - i0;
+  // The keys this block may see: causal rows see up to their own position (the last query
+  // aligned with the last key), other reads all T keys.
+  const int64_t seen = a.causal ? imin(a.T, a.T - a.L + i1) : a.T;
+  const int64_t jb1 = (seen + NB - 1) / NB;
+  const int64_t lds = jb1 * NB;
+  const float* q = a.q + b * a.q_stride[0] + h * a.q_stride[1] + i0 * a.q_stride[2];
+  const float* v = a.v + b * a.v_stride[0] + hk * a.v_stride[1];
+  float* out = a.out + ((b * a.Hq + h) * a.L + i0) * a.Dv;
+
+  // Scores: MR rows a tile, then the remainder.
+  int64_t r = 0;
+  for (; r + MR <= rows; r += MR) scores_tile<MR>(q + r * a.q_stride[2], a.q_stride[2], panels, a.D, 0, jb1, s + r * lds, lds);
+  for (; r < rows; ++r) scores_tile<1>(q + r * a.q_stride[2], a.q_stride[2], panels, a.D, 0, jb1, s + r * lds, lds);
+
+  // Softmax rows: scale, mask (-inf), max, e^(x - max); the row sums divide the outputs below.
+  float inv_sum[kBlockRows];
+  for (int64_t rr = 0; rr < rows; ++rr) {
+    float* row = s + rr * lds;
+    const int64_t i = i0 + rr;
+    const int64_t visible = a.causal ? imin(a.T, a.T - a.L + i + 1) : a.T;
+    const vf scale = splat(a.scale);
+    const float ninf = -__builtin_inff();
+    if (a.mask) {
+      const uint8_t* m = a.mask + b * a.mask_stride[0] + i * a.mask_stride[1];
+      for (int64_t j = 0; j < visible; ++j)
+        row[j] = m[j * a.mask_stride[2]] ? row[j] * a.scale : ninf;
+      for (int64_t j = visible; j < lds; ++j) row[j] = ninf;
+    } else {
+      const int64_t full = visible / W * W;
+      for (int64_t j = 0; j < full; j += W) store(row + j, load(row + j) * scale);
+      for (int64_t j = full; j < visible; ++j) row[j] *= a.scale;
+      for (int64_t j = visible; j < lds; ++j) row[j] = ninf;
+    }
+    vf mx = splat(ninf);
+    for (int64_t j = 0; j < lds; j += W) mx = vmax(mx, load(row + j));
+    const vf top = splat(hmax(mx));
+    vf sum = vf{};
+    for (int64_t j = 0; j < lds; j += W) {
+      const vf e = exp_nonpositive(load(row + j) - top);
+      store(row + j, e);
+      sum += e;
+    }
+    inv_sum[rr] = 1.0f / hsum(sum);
+  }
+
+  // Values: out = P v over the keys the block sees, then each row over its sum.
+  r = 0;
+  for (; r + MR <= rows; r += MR) values_rows<MR>(a, s + r * lds, lds, v, seen, out + r * a.Dv);
+  for (; r < rows; ++r) values_rows<1>(a, s + r * lds, lds, v, seen, out + r * a.Dv);
+  for (int64_t rr = 0; rr < rows; ++rr) {
+    float* o = out + rr * a.Dv;
+    const vf f = splat(inv_sum[rr]);
+    const int64_t full = a.Dv / W * W;
+    for (int64_t c = 0; c < full; c += W) store(o + c, load(o + c) * f);
+    for (int64_t c = full; c < a.Dv; ++c) o[c] *= inv_sum[rr];
+  }
+}
+
+// out[i] = gelu_tanh(gate[i]) * up[i] for i in [i0, i1).
+void gelu_gate(const float* up, const float* gate, int64_t i0, int64_t i1, float* out) {
+  int64_t i = i0;
+  for (; i + W <= i1; i += W) store(out + i, gelu_gate(load(gate + i), load(up + i)));
+  for (; i < i1; ++i) {
+    const float g = gate[i];
+    const float inner = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    out[i] = 0.5f * g * (1.0f + tanh_rational(inner)) * up[i];
+  }
+}

@@ -1,0 +1,155 @@
+"""The C++ extension's prefill kernels (``kernels.prefill``) against float64, on every instruction
+set this CPU runs, and their use by ``cache`` (installed by ``models``) against the compiled chains."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mlx.core as mx
+
+import models  # noqa: F401  (installs the kernels into cache.cpu_math)
+import zoo_switches
+from cache import attention, cpu_math
+from kernels import prefill
+
+pytestmark = pytest.mark.skipif(not prefill.available(), reason="the C++ extension is not built here")
+
+ISAS = prefill.status().module.available_isas() if prefill.available() else []
+
+
+def reference(q, k, v, scale, mask):
+    """float64 ``softmax(q k^T * scale + mask) v`` with GQA; ``mask`` None, "causal" or boolean."""
+    q, k, v = (a.astype(np.float64) for a in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, groups, axis=1), np.repeat(v, groups, axis=1)
+    s = q @ k.swapaxes(-1, -2) * scale
+    L, T = q.shape[2], k.shape[2]
+    if isinstance(mask, str):
+        mask = np.arange(T - L, T)[:, None] >= np.arange(T)[None]
+    if mask is not None:
+        s = np.where(mask, s, -np.inf)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True)) @ v
+
+
+def bound(q, k, v, scale):
+    """A float32 summation bound: each score is off by ~eps * scale * sum |q_d k_d| (which moves
+    its weight by as much, relatively), each output by ~eps * T * max |v| from the weighted sum."""
+    worst_score = scale * np.abs(q).max() * np.abs(k).max() * q.shape[-1]
+    return 1e-6 * np.abs(v).max() * (8 * worst_score + 2 * k.shape[2]) + 1e-7
+
+
+def arrays(rng, B, Hq, Hkv, L, T, D, Dv):
+    q = rng.standard_normal((B, Hq, L, D)).astype(np.float32)
+    k = rng.standard_normal((B, Hkv, T, D)).astype(np.float32)
+    v = rng.standard_normal((B, Hkv, T, Dv)).astype(np.float32)
+    return q, k, v
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    B=st.integers(1, 2), Hkv=st.integers(1, 3), groups=st.integers(1, 4), L=st.integers(1, 80), extra=st.integers(0, 60),
+    D=st.integers(1, 72), Dv=st.integers(1, 72), mask=st.sampled_from([None, "causal", "2d", "4d", "4d-one"]),
+    isa=st.sampled_from(ISAS or ["portable"]), seed=st.integers(0, 2**16),
+)  # fmt: skip
+def test_attention_matches_float64(B, Hkv, groups, L, extra, D, Dv, mask, isa, seed):
+    rng = np.random.default_rng(seed)
+    Hq, T = Hkv * groups, L + extra
+    q, k, v = arrays(rng, B, Hq, Hkv, L, T, D, Dv)
+    scale = float(rng.uniform(0.05, 1.0))
+    if mask in (None, "causal"):
+        want_mask, given_mask = mask, mask
+    else:
+        shape = {"2d": (L, T), "4d": (B, 1, L, T), "4d-one": (1, 1, L, T)}[mask]
+        m = rng.random(shape) < 0.6
+        m[..., 0] = True  # every query sees a key
+        want_mask, given_mask = m, mx.array(m)
+    assert prefill.takes(mx.array(q), mx.array(k), mx.array(v), given_mask)
+    got = np.array(prefill.attention(mx.array(q), mx.array(k), mx.array(v), scale, given_mask, isa=isa))
+    want = reference(q, k, v, scale, want_mask)
+    assert got.dtype == np.float32 and got.shape == (B, Hq, L, Dv)
+    assert np.abs(got - want).max() <= bound(q, k, v, scale)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_attention_of_a_270m_chunk_and_strided_inputs(isa):
+    """The 270M's prefill shapes (4 query heads on 1 kv head, D 256, 512 queries after 100 stored
+    keys), queries as the projection's transposed view and a broadcast (stride 0) mask."""
+    rng = np.random.default_rng(0)
+    q, k, v = arrays(rng, 1, 4, 1, 512, 612, 256, 256)
+    q_view = mx.array(q.transpose(0, 2, 1, 3).copy()).transpose(0, 2, 1, 3)
+    for mask in ("causal", mx.broadcast_to(mx.arange(612)[None] >= 30, (512, 612))):
+        got = np.array(prefill.attention(q_view, mx.array(k), mx.array(v), 0.0625, mask, isa=isa))
+        want = reference(q, k, v, 0.0625, mask if isinstance(mask, str) else np.array(mask))
+        assert np.abs(got - want).max() <= bound(q, k, v, 0.0625)
+
+
+def test_a_row_with_no_visible_key_is_nan_as_in_mlx():
+    q, k, v = arrays(np.random.default_rng(1), 1, 1, 1, 3, 5, 8, 8)
+    mask = np.ones((3, 5), bool)
+    mask[1] = False
+    got = np.array(prefill.attention(mx.array(q), mx.array(k), mx.array(v), 0.5, mx.array(mask)))
+    assert np.isnan(got[0, 0, 1]).all() and not np.isnan(got[0, 0, [0, 2]]).any()
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(1, 70), min_size=1, max_size=3), isa=st.sampled_from(ISAS or ["portable"]),
+       seed=st.integers(0, 2**16))  # fmt: skip
+def test_gelu_gate_matches_float64(shape, isa, seed):
+    rng = np.random.default_rng(seed)
+    gate = (rng.standard_normal(shape) * 5).astype(np.float32)
+    up = rng.standard_normal(shape).astype(np.float32)
+    got = np.array(prefill.gelu_gated(mx.array(up), mx.array(gate), isa=isa))
+    g = gate.astype(np.float64)
+    want = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3))) * up
+    # Eigen's tanh is within 4e-7 absolute; the products add a few float32 roundings
+    assert np.abs(got - want).max() <= 1e-6 * (np.abs(g).max() * np.abs(up).max() + 1)
+
+
+def test_gelu_gate_of_a_prefill_mlp_splits_and_matches_the_chain():
+    gate = mx.random.normal((1, 512, 2048), key=mx.random.key(2)) * 3
+    up = mx.random.normal((1, 512, 2048), key=mx.random.key(3))
+    got = prefill.gelu_gated(up, gate)
+    with zoo_switches.override(GEMMA_ZOO_PREFILL_KERNELS="0"):
+        chain = cpu_math.gelu_gated(up, gate)
+    assert mx.abs(got - chain).max().item() < 1e-5
+
+
+def test_cache_reads_take_the_kernels_and_the_switch_turns_them_off(monkeypatch):
+    calls, fused = [], prefill.attention
+    monkeypatch.setattr(prefill, "attention", lambda *a: calls.append("attention") or fused(*a))
+    q, k, v = (mx.array(a) for a in arrays(np.random.default_rng(3), 1, 4, 1, 64, 64, 32, 32))
+    on = attention.attend(q, k, v, 0.2, "causal")
+    with zoo_switches.override(GEMMA_ZOO_PREFILL_KERNELS="0"):
+        off = attention.attend(q, k, v, 0.2, "causal")
+    assert calls == ["attention"]
+    assert mx.abs(on - off).max().item() < 1e-5
+    # bf16 reads and per-head masks are not the kernel's: the blocks of cache.attention take them
+    assert not prefill.takes(q.astype(mx.bfloat16), k.astype(mx.bfloat16), v.astype(mx.bfloat16), "causal")
+    assert not prefill.takes(q, k, v, mx.ones((1, 4, 64, 64), dtype=mx.bool_))
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda: prefill.attention(mx.zeros((1, 3, 4, 8)), mx.zeros((1, 2, 4, 8)), mx.zeros((1, 2, 4, 8)), 1.0, None),
+         "query heads 3 are not a multiple of kv heads 2"),
+        (lambda: prefill.attention(mx.zeros((1, 1, 5, 8)), mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), 1.0, "causal"),
+         "T=4 < L=5"),
+        (lambda: prefill.attention(mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), 1.0,
+                                   mx.ones((4, 5), dtype=mx.bool_)), r"mask must be bool \[L, T\] or .* got \[4, 5\]"),
+        (lambda: prefill.attention(mx.zeros((1, 1, 4, 8), dtype=mx.float16), mx.zeros((1, 1, 4, 8)),
+                                   mx.zeros((1, 1, 4, 8)), 1.0, None), "q must be float32"),
+        (lambda: prefill.attention(mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), 1.0, "full"),
+         "mask must be None, 'causal' or a boolean array"),
+        (lambda: prefill.gelu_gated(mx.zeros((2, 3)), mx.zeros((3, 2))), "must have one shape"),
+        (lambda: prefill.attention(mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), 1.0, None,
+                                   isa="sve"), "isa='sve' is not available"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_named(call, message):
+    with pytest.raises(ValueError, match=message):
+        mx.eval(call())
