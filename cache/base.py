@@ -33,6 +33,14 @@ class MediaSplitError(ValueError):
     placed whole)."""
 
 
+class Shaped(NamedTuple):
+    """The shape and dtype of new keys or values, all that growing a buffer needs of them (a decode
+    step compiled whole makes room before its keys exist)."""
+
+    shape: tuple
+    dtype: mx.Dtype
+
+
 class DecodeRun(NamedTuple):
     """One layer's next decode position, for a step compiled whole: the planes it writes into, the
     row it is written at, and the ``size`` rows from ``start`` its query reads (rows past the new
@@ -198,8 +206,7 @@ class AttentionCache:
         if self.keys is None or not self._rows:
             return None
         B, Hkv, D, Dv, dtype = self._geometry
-        like_k, like_v = mx.zeros((B, Hkv, 1, D), dtype=dtype), mx.zeros((B, Hkv, 1, Dv), dtype=dtype)
-        write_row, size = self._decode_room(like_k, like_v)
+        write_row, size = self._decode_room(Shaped((B, Hkv, 1, D), dtype), Shaped((B, Hkv, 1, Dv), dtype))
         return DecodeRun(self.keys, self.values, write_row, max(0, write_row + 1 - size), size)
 
     def commit_decode(self, keys: Planes, values: Planes) -> None:
@@ -210,7 +217,7 @@ class AttentionCache:
         self._last = None
         self._ends_in_image = None
 
-    def _decode_room(self, like_k: mx.array, like_v: mx.array) -> tuple[int, int]:
+    def _decode_room(self, like_k: "Shaped", like_v: "Shaped") -> tuple[int, int]:
         """Subclass hook: room for one position; ``(row it is written at, rows a decode read spans)``."""
         raise NotImplementedError
 

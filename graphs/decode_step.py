@@ -13,6 +13,8 @@ constants of the trace, so a step that finds a weight replaced traces anew.
 
 from __future__ import annotations
 
+import operator
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -29,7 +31,7 @@ class CompiledDecode:
 
     def __init__(self, graph: nn.Module):
         self.graph = graph
-        self._weights: list = []
+        self._weights: tuple = ([], [], [])
         self._compiled = None
 
     def __call__(self, ids: mx.array, cache: list) -> mx.array | None:
@@ -42,7 +44,7 @@ class CompiledDecode:
         runs = [owner.decode_run() for owner in owners]
         if any(run is None for run in runs):
             return None
-        if self._compiled is None or any(module.get(name) is not value for module, name, value in self._weights):
+        if self._compiled is None or not self._weights_unchanged():
             self._weights = _weight_slots(self.graph)
             self._compiled = mx.compile(self._step)
         positions = sorted({(run.write_row, run.start) for run in runs})
@@ -62,6 +64,10 @@ class CompiledDecode:
         for owner, (keys, values) in zip(owners, written):
             owner.commit_decode(keys, values)
         return logits
+
+    def _weights_unchanged(self) -> bool:
+        modules, names, values = self._weights
+        return all(map(operator.is_, map(dict.get, modules, names), values))
 
     def _step(self, ids, offset, positions, planes, layout):
         """The traced function: stand-in caches around the planes, the graph's forward on them."""
@@ -106,11 +112,11 @@ def _structure(cache) -> list | None:
     return out
 
 
-def _weight_slots(graph: nn.Module) -> list:
-    """``(module, name, array)`` of every parameter: the trace holds these arrays as constants."""
+def _weight_slots(graph: nn.Module) -> tuple[list, list, list]:
+    """The modules, names and arrays of every parameter: the trace holds these arrays as constants."""
     slots = []
     for _, module in graph.named_modules():
         for name, value in module.items():
             if isinstance(value, mx.array) and not name.startswith("_"):
                 slots.append((module, name, value))
-    return slots
+    return [m for m, _, _ in slots], [n for _, n, _ in slots], [v for _, _, v in slots]
