@@ -32,7 +32,6 @@ import mlx.nn as nn
 import zoo_switches
 
 ENV = "GEMMA_ZOO_FAST_MATH"
-NATIVE_ENV = "GEMMA_ZOO_PREFILL_KERNELS"
 
 
 def active() -> bool:
@@ -48,18 +47,17 @@ _native = None
 
 
 def install(native) -> None:
-    """Use ``native`` for float32 prefill work on the CPU: a module or object with ``takes(q, keys,
-    values, mask)``, ``attention(q, keys, values, scale, mask)`` and ``gelu_gated(up, gate)``
-    (``kernels.prefill``); ``None`` removes it."""
+    """Use ``native`` for float32 prefill work on the CPU: a module or object with ``on()`` (whether
+    it runs now: on the CPU, ``GEMMA_ZOO_FAST_MATH`` and ``GEMMA_ZOO_PREFILL_KERNELS`` on),
+    ``takes(q, keys, values, mask)``, ``attention(q, keys, values, scale, mask)`` and
+    ``gelu_gated(up, gate)`` (``kernels.prefill``); ``None`` removes it."""
     global _native
     _native = native
 
 
 def native():
-    """The installed kernels when they run: on the CPU with ``active()``, unless ``GEMMA_ZOO_PREFILL_KERNELS=0``."""
-    if _native is None or not active() or not zoo_switches.enabled(NATIVE_ENV):
-        return None
-    return _native
+    """The installed kernels when they run now, else None."""
+    return _native if _native is not None and _native.on() else None
 
 
 # ---------------------------------------------------------------------------------------- exp

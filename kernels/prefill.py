@@ -9,11 +9,16 @@ softmax, so in a prefill chunk the softmax, mask and GELU wait on one core while
   head (GQA's query heads share them), the masked softmax in float32 (Cephes' ``exp``, as
   ``cache.cpu_math``), the product with the values; a causal block computes only the keys up to its
   last query;
-- ``gelu_gated(up, gate)``: ``gelu_tanh(gate) * up`` (Eigen's rational ``tanh``, as ``cache.cpu_math``).
+- ``gelu_gated(up, gate)``: ``gelu_tanh(gate) * up`` (Eigen's rational ``tanh``, as ``cache.cpu_math``);
+- ``linear(x, w)``: ``x @ w.T``, a prefill's projections: MKL treats this AMD CPU as a generic one
+  and runs its float32 GEMM at about the AVX2 rate, where these AVX-512 tiles run ~1.5-2x faster
+  (``docs/speed.md``). ``Linear`` is an ``nn.Linear`` taking it for many rows;
+  ``models.cpu_kernels.apply`` puts it in a loaded graph.
 
 Both compute what ``cache.cpu_math``'s compiled chains compute, in float32, up to summation order
 (``tests/test_prefill_kernels.py`` bounds them against float64). ``cache`` imports nothing of the
-project, so ``models`` installs this module there (``cache.cpu_math.install``).
+project, so ``models`` installs this module there (``cache.cpu_math.install``). ``on()`` says
+whether they run (``GEMMA_ZOO_PREFILL_KERNELS=0`` or ``GEMMA_ZOO_FAST_MATH=0``: MLX's ops).
 """
 
 from __future__ import annotations
@@ -21,13 +26,30 @@ from __future__ import annotations
 import zoo_blas  # noqa: F401  (before mlx)
 
 import mlx.core as mx
+import mlx.nn as nn
+
+import zoo_switches
 
 from . import status
+
+
+FAST_MATH, SWITCH = "GEMMA_ZOO_FAST_MATH", "GEMMA_ZOO_PREFILL_KERNELS"
+# Products of more rows than this take the GEMM; fewer (decode) stay MLX's (the BLAS's gemv).
+LINEAR_MIN_ROWS = 8
 
 
 def available() -> bool:
     """Whether the extension (and so these kernels) runs in this process (``kernels.status()``)."""
     return status().available
+
+
+def on() -> bool:
+    """Whether the kernels run now: built, on the CPU, and neither ``GEMMA_ZOO_FAST_MATH=0`` (MLX's
+    own ops) nor ``GEMMA_ZOO_PREFILL_KERNELS=0``."""
+    return (
+        available() and zoo_switches.enabled(FAST_MATH) and zoo_switches.enabled(SWITCH)
+        and mx.default_device() == mx.cpu
+    )  # fmt: skip
 
 
 def _module():
@@ -66,3 +88,32 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask,
 def gelu_gated(up: mx.array, gate: mx.array, isa: str | None = None) -> mx.array:
     """``gelu_tanh(gate) * up`` for float32 ``up`` and ``gate`` of one shape."""
     return _module().gelu_gate(up, gate, isa or "")
+
+
+def linear(x: mx.array, w: mx.array, isa: str | None = None) -> mx.array:
+    """``x @ w.T`` for float32 ``x [..., K]`` and ``w [N, K]``: ``x`` packed in panels of rows, the
+    weight's rows split over the threads (AVX-512 tiles of 12 weight rows by 32 activation rows)."""
+    return _module().prefill_linear(x, w, isa or "")
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (same parameters, same saved form) whose float32 products of more than
+    ``LINEAR_MIN_ROWS`` rows take ``linear`` while ``on()``; decode rows stay MLX's."""
+
+    @classmethod
+    def of(cls, module: nn.Linear) -> "Linear":
+        new = cls.__new__(cls)  # no __init__: it would draw a random weight
+        nn.Module.__init__(new)
+        new.weight = module.weight
+        if "bias" in module:
+            new.bias = module.bias
+        if module._no_grad:
+            new.freeze()
+        return new
+
+    def __call__(self, x: mx.array) -> mx.array:
+        w = self["weight"]
+        if x.size <= LINEAR_MIN_ROWS * x.shape[-1] or x.dtype != mx.float32 or w.dtype != mx.float32 or not on():
+            return super().__call__(x)
+        y = linear(x, w)
+        return y + self["bias"] if "bias" in self else y

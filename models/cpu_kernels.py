@@ -1,14 +1,24 @@
-"""Installs the C++ extension's prefill kernels (``kernels.prefill``) into ``cache.cpu_math``.
+"""The C++ extension's prefill kernels (``kernels.prefill``) in the zoo's graphs.
 
-``cache`` imports nothing of the project, so it cannot reach the extension itself; ``models``
-may import both, and does this once when the package is imported, before any graph runs. Where
-the extension is not built (macOS, MLX's GPU build, no compiler at install time), nothing is
-installed and ``cache`` keeps its compiled MLX chains; ``describe()`` says which runs.
+- ``install()``: ``cache`` imports nothing of the project, so it cannot reach the extension itself;
+  ``models`` may import both, and installs the attention and GeGLU gate kernels into
+  ``cache.cpu_math`` once, when the package is imported, before any graph runs.
+- ``apply(graph)``: a loaded graph's float32 ``nn.Linear`` layers (not the output head) become
+  ``kernels.prefill.Linear``: the same parameters, whose products of many rows (a prefill's
+  projections) take the extension's GEMM (``models.precision.prepare`` calls it).
+
+Where the extension is not built (macOS, MLX's GPU build, no compiler at install time), nothing
+is installed or replaced and ``cache`` keeps its compiled MLX chains; the note says which runs.
 """
 
 from __future__ import annotations
 
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
 from cache import cpu_math
+from graphs.speedups import VocabularyHead
 from kernels import prefill
 
 
@@ -17,10 +27,22 @@ def install() -> None:
     cpu_math.install(prefill if prefill.available() else None)
 
 
-def describe() -> str:
-    """One line for ``--verbose``: whether a prefill's attention and GeGLU gate take the fused kernels."""
-    if cpu_math.native() is not None:
-        return f"prefill attention and GeGLU gate: fused kernels on both cores ({cpu_math.NATIVE_ENV}=0: compiled chains)"
-    if not prefill.available():
-        return f"prefill attention and GeGLU gate: compiled chains (the C++ extension is not built: {prefill.status().note})"
-    return "prefill attention and GeGLU gate: compiled chains"
+def apply(graph: nn.Module) -> list[str]:
+    """``kernels.prefill.Linear`` in place of ``graph``'s float32 ``nn.Linear`` layers but the output
+    head; the note saying what runs (one line, or none off the CPU or with the kernels switched off)."""
+    if not prefill.on():
+        if prefill.available() or not cpu_math.active():
+            return []
+        return [f"prefill kernels off: the C++ extension is not built ({prefill.status().note})"]
+    heads = {id(m.head_module()) for _, m in graph.named_modules() if isinstance(m, VocabularyHead)}
+    leaves = tree_flatten(graph.leaf_modules(), is_leaf=nn.Module.is_module)
+    layers = [
+        (path, m) for path, m in leaves
+        if type(m) is nn.Linear and id(m) not in heads and m.weight.dtype == mx.float32 and m.weight.ndim == 2
+    ]  # fmt: skip
+    graph.update_modules(tree_unflatten([(path, prefill.Linear.of(m)) for path, m in layers]))
+    return [
+        f"prefill kernels on both cores: attention, GeGLU gate, {len(layers)} projections of more than "
+        f"{prefill.LINEAR_MIN_ROWS} rows ({prefill.SWITCH}=0: MLX's ops)"
+    ]
+

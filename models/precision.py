@@ -38,6 +38,7 @@ import zoo_switches
 from cache import cpu_math
 from graphs.layers import GeGLUMLP
 from graphs.speedups import VocabularyHead
+from models import cpu_kernels
 
 AUTO = "auto"
 # Parameters only ever gathered from (never a matmul operand): kept in the checkpoint's dtype.
@@ -164,6 +165,7 @@ def prepare(graph: nn.Module, precision: Precision) -> list[str]:
         note = apply_quantized_policy(graph)
         if note:
             notes.append(note)
+    notes += cpu_kernels.apply(graph)  # float32 projections of a prefill on the extension's GEMM
     streams = CPU_STREAMS if zoo_switches.enabled(STREAMS_SWITCH) else 1
     heads = [m for _, m in graph.named_modules() if isinstance(m, VocabularyHead)]
     notes += [note for note in (head.split_head(streams) for head in heads) if note]

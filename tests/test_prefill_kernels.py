@@ -146,6 +146,7 @@ def test_cache_reads_take_the_kernels_and_the_switch_turns_them_off(monkeypatch)
         (lambda: prefill.attention(mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), 1.0, "full"),
          "mask must be None, 'causal' or a boolean array"),
         (lambda: prefill.gelu_gated(mx.zeros((2, 3)), mx.zeros((3, 2))), "must have one shape"),
+        (lambda: prefill.linear(mx.zeros((2, 3)), mx.zeros((4, 5))), r"x \[..., K\] and w \[N, K\] do not match"),
         (lambda: prefill.attention(mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), 1.0, None,
                                    isa="sve"), "isa='sve' is not available"),
     ],
@@ -153,3 +154,84 @@ def test_cache_reads_take_the_kernels_and_the_switch_turns_them_off(monkeypatch)
 def test_bad_input_is_named(call, message):
     with pytest.raises(ValueError, match=message):
         mx.eval(call())
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(M=st.integers(1, 150), K=st.integers(1, 600), N=st.integers(1, 130), lead=st.sampled_from([(), (1,), (2, 1)]),
+       isa=st.sampled_from(ISAS or ["portable"]), seed=st.integers(0, 2**16))  # fmt: skip
+def test_linear_matches_float64(M, K, N, lead, isa, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((*lead, M, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    got = np.array(prefill.linear(mx.array(x), mx.array(w), isa=isa))
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    # float32 summation of K products: within eps * K * max |x w| (the BLAS's bound too)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1.2e-7 * K * np.abs(x).max() * np.abs(w).max() + 1e-30
+
+
+def test_linear_of_strided_inputs_and_270m_shapes():
+    rng = np.random.default_rng(4)
+    x = mx.array(rng.standard_normal((640, 512)).astype(np.float32)).T[None]  # [1, 512, 640], transposed view
+    w = mx.array(rng.standard_normal((2048, 640)).astype(np.float32))
+    got = prefill.linear(x, w)
+    want = np.array(x).astype(np.float64) @ np.array(w).astype(np.float64).T
+    assert np.abs(np.array(got) - want).max() < 1.2e-7 * 640 * 25
+    empty = prefill.linear(mx.zeros((3, 0)), mx.zeros((5, 0)))  # K = 0: zeros, as MLX gives
+    assert np.array_equal(np.array(empty), np.zeros((3, 5), np.float32))
+
+
+def test_linear_layer_takes_many_rows_only_and_keeps_its_parameters(monkeypatch):
+    import mlx.nn as nn
+
+    base = nn.Linear(24, 40, bias=True)
+    layer = prefill.Linear.of(base)
+    assert layer.parameters().keys() == base.parameters().keys() and layer.weight is base.weight
+    calls, gemm = [], prefill.linear
+    monkeypatch.setattr(prefill, "linear", lambda *a: calls.append(a[0].shape) or gemm(*a))
+    few, many = mx.random.normal((1, prefill.LINEAR_MIN_ROWS, 24)), mx.random.normal((2, 33, 24))
+    for x in (few, many):
+        assert mx.abs(layer(x) - base(x)).max().item() < 1e-5
+    assert calls == [(2, 33, 24)]
+    with zoo_switches.override(GEMMA_ZOO_PREFILL_KERNELS="0"):
+        layer(many)
+    with zoo_switches.override(GEMMA_ZOO_FAST_MATH="0"):
+        layer(many)
+    layer(many.astype(mx.bfloat16))
+    assert calls == [(2, 33, 24)]
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from tests import hf_tiny
+    from tests.test_convert import _gemma3
+
+    root = tmp_path_factory.mktemp("prefill")
+    for name in ("E2B_like", "T1_bias_untied"):
+        hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS[name], root / name)
+    _gemma3("base", root / "gemma3")
+    return root
+
+
+@pytest.mark.parametrize("name", ["E2B_like", "T1_bias_untied", "gemma3"])
+def test_loaded_models_take_the_kernels_and_match_float64(tiny_folders, name):
+    """Loaded as users load them (float32 on this CPU), a 40-token forward through the kernels is
+    as close to transformers' float64 logits as the same model through the compiled chains."""
+    import transformers
+
+    from tests import hf_tiny
+
+    folder = tiny_folders / name
+    model = models.load(str(folder), tokenizer=False)
+    linears = [m for _, m in model.graph.named_modules() if isinstance(m, prefill.Linear)]
+    assert linears and any(n.startswith(f"prefill kernels on both cores: attention, GeGLU gate, {len(linears)} ")
+                           for n in model.device_notes)  # fmt: skip
+    head = model.graph.head_module()
+    assert not isinstance(head, prefill.Linear)
+    ids = np.random.default_rng(7).integers(0, 200, (1, 40))
+    hf_class = transformers.Gemma3ForCausalLM if name == "gemma3" else transformers.Gemma4ForCausalLM
+    want = hf_tiny.float64_logits(hf_class.from_pretrained(folder).eval(), ids)
+    on = np.array(model.logits(mx.array(ids)))
+    with zoo_switches.override(GEMMA_ZOO_PREFILL_KERNELS="0"):
+        off = np.array(model.logits(mx.array(ids)))
+    assert np.abs(on - want).max() <= max(2 * np.abs(off - want).max(), 1e-5)

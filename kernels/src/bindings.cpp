@@ -22,6 +22,8 @@ NB_MODULE(_packed, m) {
   m.def("prefill_attention", &zoo::prefill_attention, "q"_a, "k"_a, "v"_a, "scale"_a, "mask"_a = nb::none(),
         "causal"_a = false, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "softmax(q k^T * scale + mask) v in float32, fused and split over the threads (a prefill chunk's queries)");
+  m.def("prefill_linear", &zoo::prefill_linear, "x"_a, "w"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
+        "x [..., K] @ w[N, K]^T in float32, split over the threads (an nn.Linear's product for many rows)");
   m.def("gelu_gate", &zoo::gelu_gate, "up"_a, "gate"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "gelu_tanh(gate) * up in float32, split over the threads");
   m.def("available_isas", &zoo::available_isas, "instruction sets this CPU and build run, widest first");

@@ -20,9 +20,10 @@ struct Kernels {
   int (*key_block)();
   void (*attention_block)(const AttentionArgs&, int64_t, int64_t, int64_t, int64_t, const float*, float*);
   void (*gelu_gate)(const float*, const float*, int64_t, int64_t, float*);
+  void (*linear_rows)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
 };
 
-#define ZOO_KERNELS_OF(ns) Kernels{ns::pack_keys, ns::key_block, ns::attention_block, ns::gelu_gate}
+#define ZOO_KERNELS_OF(ns) Kernels{ns::pack_keys, ns::key_block, ns::attention_block, ns::gelu_gate, ns::linear_rows}
 
 Kernels kernels_for(Isa isa) {
 #if defined(__x86_64__) && defined(ZOO_X86_KERNELS)
@@ -150,6 +151,43 @@ void gelu_chunk(void* ctx, int chunk) {
 
 constexpr int64_t kGeluChunk = 1 << 14;  // elements below which a chunk is not worth a thread
 
+// x [M, K] @ w[N, K]^T: x packed into panels of key_block() rows (as keys are), then the weight's
+// rows split over the threads in chunks of kLinearRows, each chunk against every panel.
+constexpr int64_t kLinearRows = 48;
+
+struct LinearJob {
+  Kernels kn;
+  const float* x;
+  const float* w;
+  float* panels;
+  float* y;
+  int64_t M, K, N;
+  int64_t per_pack;  // panels a packing chunk makes
+};
+
+void linear_pack_chunk(void* ctx, int chunk) {
+  const auto& j = *static_cast<const LinearJob*>(ctx);
+  const int64_t npanels = (j.M + j.kn.key_block() - 1) / j.kn.key_block();
+  const int64_t jb0 = chunk * j.per_pack, jb1 = jb0 + j.per_pack < npanels ? jb0 + j.per_pack : npanels;
+  j.kn.pack_keys(j.x, j.K, j.M, j.K, jb0, jb1, j.panels);
+}
+
+void linear_chunk(void* ctx, int chunk) {
+  const auto& j = *static_cast<const LinearJob*>(ctx);
+  const int64_t n0 = chunk * kLinearRows, n1 = n0 + kLinearRows < j.N ? n0 + kLinearRows : j.N;
+  j.kn.linear_rows(j.w, j.K, j.panels, j.M, n0, n1, j.y, j.N);
+}
+
+void run_linear(LinearJob j) {
+  const int64_t nb = j.kn.key_block();
+  const int64_t npanels = (j.M + nb - 1) / nb;
+  std::vector<float> panels(npanels * nb * j.K);
+  j.panels = panels.data();
+  j.per_pack = 2;
+  parallel_chunks(static_cast<int>((npanels + j.per_pack - 1) / j.per_pack), linear_pack_chunk, &j);
+  parallel_chunks(static_cast<int>((j.N + kLinearRows - 1) / kLinearRows), linear_chunk, &j);
+}
+
 }  // namespace
 
 // ------------------------------------------------------------------------------------ the ops
@@ -195,6 +233,19 @@ mx::array gelu_gate(const mx::array& up, const mx::array& gate, const std::strin
   if (up.shape() != gate.shape()) fail(op, "up " + shape_of(up) + " and gate " + shape_of(gate) + " must have one shape");
   return mx::array(up.shape(), mx::float32, std::make_shared<GeluGate>(stream, parse_isa(isa)),
                    {mx::contiguous(up, false, stream), mx::contiguous(gate, false, stream)});
+}
+
+mx::array prefill_linear(const mx::array& x, const mx::array& w, const std::string& isa, mx::StreamOrDevice s) {
+  const char* op = "prefill_linear";
+  auto stream = cpu_only(op, s);
+  check_float32(op, "x", x);
+  check_float32(op, "w", w);
+  if (w.ndim() != 2 || x.ndim() < 1 || x.shape(-1) != w.shape(1))
+    fail(op, "x [..., K] and w [N, K] do not match: x " + shape_of(x) + ", w " + shape_of(w));
+  auto shape = x.shape();
+  shape.back() = w.shape(0);
+  return mx::array(std::move(shape), mx::float32, std::make_shared<PrefillLinear>(stream, parse_isa(isa)),
+                   {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream)});
 }
 
 // ------------------------------------------------------------------------------------ evaluation
@@ -243,12 +294,41 @@ void GeluGate::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   });
 }
 
+void PrefillLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  const auto& w = inputs[1];
+  const int64_t K = w.shape(1), N = w.shape(0);
+  const int64_t M = N > 0 ? static_cast<int64_t>(out.size()) / N : 0;
+  encoder.dispatch([job = LinearJob{kernels_for(isa_), inputs[0].data<float>(), w.data<float>(), nullptr,
+                                    out.data<float>(), M, K, N, 0}]() {
+    if (job.M == 0 || job.N == 0) return;
+    if (job.K == 0) {
+      for (int64_t i = 0; i < job.M * job.N; ++i) job.y[i] = 0.0f;
+      return;
+    }
+    run_linear(job);
+  });
+}
+
 void PrefillPrimitive::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error(std::string(name()) + " runs on MLX's CPU device only");
 }
 
 std::vector<mx::Shape> PrefillAttention::output_shapes(const std::vector<mx::array>& inputs) {
   return {{inputs[0].shape(0), inputs[0].shape(1), inputs[0].shape(2), inputs[2].shape(3)}};
+}
+
+std::vector<mx::Shape> PrefillLinear::output_shapes(const std::vector<mx::array>& inputs) {
+  auto shape = inputs[0].shape();
+  shape.back() = inputs[1].shape(0);
+  return {shape};
+}
+
+bool PrefillLinear::is_equivalent(const mx::Primitive& other) const {
+  return isa_ == static_cast<const PrefillLinear&>(other).isa_;
 }
 
 std::vector<mx::Shape> GeluGate::output_shapes(const std::vector<mx::array>& inputs) { return {inputs[0].shape()}; }

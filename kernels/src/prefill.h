@@ -49,7 +49,9 @@ struct AttentionArgs {
   int key_block();                                                                                            \
   void attention_block(const AttentionArgs& a, int64_t b, int64_t h, int64_t i0, int64_t i1,                  \
                        const float* panels, float* scratch);                                                  \
-  void gelu_gate(const float* up, const float* gate, int64_t i0, int64_t i1, float* out);
+  void gelu_gate(const float* up, const float* gate, int64_t i0, int64_t i1, float* out);                    \
+  void linear_rows(const float* w, int64_t K, const float* panels, int64_t M, int64_t n0, int64_t n1, float* y, \
+                   int64_t ldy);
 
 namespace prefill_portable {
 ZOO_PREFILL_KERNELS
@@ -67,6 +69,9 @@ ZOO_PREFILL_KERNELS
 mx::array prefill_attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                             const std::optional<mx::array>& mask, bool causal, const std::string& isa = "",
                             mx::StreamOrDevice s = {});
+
+// x [..., K] @ w[N, K]^T in float32 (an nn.Linear's product without its bias).
+mx::array prefill_linear(const mx::array& x, const mx::array& w, const std::string& isa = "", mx::StreamOrDevice s = {});
 
 // gelu_tanh(gate) * up, both float32 of one shape.
 mx::array gelu_gate(const mx::array& up, const mx::array& gate, const std::string& isa = "", mx::StreamOrDevice s = {});
@@ -93,6 +98,15 @@ class PrefillAttention : public PrefillPrimitive {
   float scale_;
   bool causal_;
   bool masked_;
+};
+
+class PrefillLinear : public PrefillPrimitive {
+ public:
+  using PrefillPrimitive::PrefillPrimitive;
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  bool is_equivalent(const mx::Primitive& other) const override;
+  const char* name() const override { return "PrefillLinear"; }
 };
 
 class GeluGate : public PrefillPrimitive {

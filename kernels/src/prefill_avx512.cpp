@@ -6,5 +6,6 @@
 namespace zoo::prefill_avx512 {
 constexpr int W = 16;
 constexpr int MR = 8;
+constexpr int MRL = 12;  // weight rows a linear tile holds
 #include "prefill_impl.h"
 }  // namespace zoo::prefill_avx512

@@ -137,7 +137,67 @@ inline void values_rows(const AttentionArgs& a, const float* p, int64_t ldp, con
     }
 }
 
+// tile[r, :] = w_r[0:kc] . panel[0:kc, :] for M weight rows (ldw apart) and one panel of NB
+// activation rows (kc x NB floats, see pack_keys).
+template <int M>
+inline void linear_tile(const float* w, int64_t ldw, const float* panel, int64_t kc, float* tile) {
+  vf acc[M][2];
+  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = vf{};
+  for (int64_t d = 0; d < kc; ++d) {
+    const vf b0 = load(panel + d * NB), b1 = load(panel + d * NB + W);
+    for (int r = 0; r < M; ++r) {
+      const vf a = splat(w[r * ldw + d]);
+      acc[r][0] += a * b0;
+      acc[r][1] += a * b1;
+    }
+  }
+  for (int r = 0; r < M; ++r) {
+    store(tile + r * NB, acc[r][0]);
+    store(tile + r * NB + W, acc[r][1]);
+  }
+}
+
+// y[m, n0 + r] (+)= tile[r, m - m0] for the tile's rows r < rows and activation rows m < M.
+inline void write_tile(const float* tile, int rows, int64_t m0, int64_t M, int64_t n0, float* y, int64_t ldy,
+                       bool accumulate) {
+  const int64_t ms = M - m0 < NB ? M - m0 : NB;
+  for (int64_t c = 0; c < ms; ++c) {
+    float* out = y + (m0 + c) * ldy + n0;
+    if (accumulate)
+      for (int r = 0; r < rows; ++r) out[r] += tile[r * NB + c];
+    else
+      for (int r = 0; r < rows; ++r) out[r] = tile[r * NB + c];
+  }
+}
+
 }  // namespace
+
+// y[:, n0:n1] = x w[n0:n1]^T for x packed into panels of NB rows (pack_keys: each K x NB), in
+// blocks of KC inputs (a block of the panels stays in the core's caches while the weight rows pass).
+void linear_rows(const float* w, int64_t K, const float* panels, int64_t M, int64_t n0, int64_t n1, float* y,
+                 int64_t ldy) {
+  constexpr int64_t KC = 256, MC = 8;  // inputs a block, panels a block
+  const int64_t npanels = (M + NB - 1) / NB;
+  float tile[MRL * NB];
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = K - k0 < KC ? K - k0 : KC;
+    for (int64_t p0 = 0; p0 < npanels; p0 += MC) {
+      const int64_t p1 = p0 + MC < npanels ? p0 + MC : npanels;
+      for (int64_t n = n0; n < n1; n += MRL) {
+        const int rows = static_cast<int>(n1 - n < MRL ? n1 - n : MRL);
+        for (int64_t p = p0; p < p1; ++p) {
+          const float* panel = panels + p * K * NB + k0 * NB;
+          if (rows == MRL) {
+            linear_tile<MRL>(w + n * K + k0, K, panel, kc, tile);
+          } else {
+            for (int r = 0; r < rows; ++r) linear_tile<1>(w + (n + r) * K + k0, K, panel, kc, tile + r * NB);
+          }
+          write_tile(tile, rows, p * NB, M, n, y, ldy, k0 > 0);
+        }
+      }
+    }
+  }
+}
 
 // Keys [j0, j1) (whole panels) of one (batch, kv head) into panels of D x NB floats, zero past T.
 void pack_keys(const float* k, int64_t k_row_stride, int64_t T, int64_t D, int64_t jb0, int64_t jb1, float* panels) {

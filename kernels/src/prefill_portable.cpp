@@ -6,5 +6,6 @@
 namespace zoo::prefill_portable {
 constexpr int W = 4;
 constexpr int MR = 4;
+constexpr int MRL = 4;  // weight rows a linear tile holds
 #include "prefill_impl.h"
 }  // namespace zoo::prefill_portable
