@@ -7,6 +7,13 @@ so most are rejected and resampled from ``max(0, p - q)``; and from the target i
 are accepted) must fit those probabilities by Pearson's chi-square test at p > 0.001 (cells with
 an expected count below 5 pooled). Plain sampling (mlx-lm's sampler) is held to the same test, which
 also shows that the loop's ``distribution`` is the one mlx-lm samples from.
+
+Sample size of the slow test (``sample_size``): it must catch, with power 0.99 at that p-value, any
+outcome distribution at total-variation distance 0.1 or more from the exact one over the test's
+cells. Such a distribution has chi-square divergence at least ``4 * 0.1**2`` (Cauchy-Schwarz), so
+``n`` seeds give the test a noncentrality of at least ``0.04 * n``; over the 16 outcomes here (15
+degrees of freedom; none pooled at this n) power 0.99 needs 55.2, so n = 1380 per drafter (the
+3000 used before reached distance 0.068).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from tests.speculative_tiny import gemma4_pair
 PROMPT = [2, 40, 41]
 OPTIONS = dict(temp=1.0, top_k=4)
 P_VALUE = 1e-3
+POWER, DISTANCE = 0.99, 0.1  # the slow test's power against a total-variation distance of DISTANCE
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +64,18 @@ def samples(target, n: int, draft=None) -> Counter:
     return out
 
 
+def sample_size(joint: dict) -> int:
+    """Seeds giving the chi-square test ``POWER`` against any distribution at total-variation distance
+    ``DISTANCE`` from ``joint`` over its cells (noncentrality at least ``4 n DISTANCE**2``, degrees of
+    freedom at most ``len(joint) - 1``)."""
+    from scipy.optimize import brentq
+
+    df = len(joint) - 1
+    critical = stats_.chi2.isf(P_VALUE, df)
+    noncentrality = brentq(lambda lam: stats_.ncx2.sf(critical, df, lam) - POWER, 1e-6, 1e4)
+    return int(np.ceil(noncentrality / (4 * DISTANCE**2)))
+
+
 def chi_square_p(counts: Counter, joint: dict, n: int) -> float:
     assert set(counts) <= set(joint), f"outcomes outside the target's support: {set(counts) - set(joint)}"
     cells = sorted(joint, key=joint.get, reverse=True)
@@ -69,7 +89,7 @@ def chi_square_p(counts: Counter, joint: dict, n: int) -> float:
 
 
 def test_sampled_pairs_fit_the_target_distribution(pair):
-    """A quick run (100 seeds, the assistant drafting); the slow test below has 3000 per drafter."""
+    """A quick run (100 seeds, the assistant drafting); the slow test below has ``sample_size`` per drafter."""
     target, assistant = pair
     joint = exact_joint(target)
     n, drafter, draft = 100, "assistant", assistant
@@ -83,7 +103,7 @@ def test_sampled_pairs_fit_the_target_distribution(pair):
 def test_sampled_pairs_fit_over_many_seeds(pair, drafter):
     target, assistant = pair
     joint = exact_joint(target)
-    n = 3000
+    n = sample_size(joint)
     draft = {"plain": None, "assistant": assistant, "self": ModelDrafter(target, target)}[drafter]
     counts = samples(target, n, draft)
     p = chi_square_p(counts, joint, n)
