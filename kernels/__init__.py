@@ -119,17 +119,23 @@ def packed_dequantize(w, scales, biases, group_size: int, bits: int, isa: str | 
 
 def product(x: mx.array, w, scales, biases, group_size: int, bits: int) -> mx.array:
     """``x @ dequantize(w).T``: the packed kernel for up to ``KERNEL_ROWS`` rows, else dequantized
-    row blocks through the BLAS; in ``x``'s dtype."""
+    row blocks through the prefill GEMM (float32, ``kernels.prefill.on()``) or the BLAS; in ``x``'s dtype."""
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
     if rows <= KERNEL_ROWS:
         y = packed_matmul(x, w, scales, biases, group_size, bits)
         return y if y.dtype == x.dtype else y.astype(x.dtype)
+    from . import prefill  # the float32 GEMM of a prefill's projections (kernels/prefill.py)
+
     N, K = w.shape[0], x.shape[-1]
     step = max(1, DENSE_BLOCK_BYTES // (4 * K))
+    gemm = x.dtype == mx.float32 and prefill.on()
     parts = []
     for a in range(0, N, step):
         dense = packed_dequantize(w[a : a + step], scales[a : a + step], biases[a : a + step], group_size, bits)
-        parts.append(x @ (dense if x.dtype == mx.float32 else dense.astype(x.dtype)).T)
+        if gemm:
+            parts.append(prefill.linear(x, dense))
+        else:
+            parts.append(x @ (dense if x.dtype == mx.float32 else dense.astype(x.dtype)).T)
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
 
 
