@@ -18,7 +18,7 @@ inline vf load(const float* p) {
   return v;
 }
 inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
-inline vf splat(float s) { return vf{} + s; }
+inline vf splat(float s) { return vf{} + s; }  // constants (folded); hot loops multiply by a scalar
 inline vf vmin(vf a, vf b) { return a < b ? a : b; }
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -92,9 +92,9 @@ inline void scores_tile(const float* q, int64_t ldq, const float* panels, int64_
     for (int64_t d = 0; d < D; ++d) {
       const vf b0 = load(b + d * NB), b1 = load(b + d * NB + W);
       for (int r = 0; r < M; ++r) {
-        const vf a = splat(q[r * ldq + d]);
-        acc[r][0] += a * b0;
-        acc[r][1] += a * b1;
+        const float a = q[r * ldq + d];
+        acc[r][0] += b0 * a;
+        acc[r][1] += b1 * a;
       }
     }
     for (int r = 0; r < M; ++r) {
@@ -113,9 +113,9 @@ inline void values_tile(const float* p, int64_t ldp, const float* v, int64_t ldv
   for (int64_t j = 0; j < n; ++j) {
     const vf b0 = load(v + j * ldv + c0), b1 = load(v + j * ldv + c0 + W);
     for (int r = 0; r < M; ++r) {
-      const vf a = splat(p[r * ldp + j]);
-      acc[r][0] += a * b0;
-      acc[r][1] += a * b1;
+      const float a = p[r * ldp + j];
+      acc[r][0] += b0 * a;
+      acc[r][1] += b1 * a;
     }
   }
   for (int r = 0; r < M; ++r) {
@@ -146,9 +146,9 @@ inline void linear_tile(const float* w, int64_t ldw, const float* panel, int64_t
   for (int64_t d = 0; d < kc; ++d) {
     const vf b0 = load(panel + d * NB), b1 = load(panel + d * NB + W);
     for (int r = 0; r < M; ++r) {
-      const vf a = splat(w[r * ldw + d]);
-      acc[r][0] += a * b0;
-      acc[r][1] += a * b1;
+      const float a = w[r * ldw + d];
+      acc[r][0] += b0 * a;
+      acc[r][1] += b1 * a;
     }
   }
   for (int r = 0; r < M; ++r) {
