@@ -1,0 +1,180 @@
+"""Prefill only: ours (float32 with and without the prefill kernels, 8-bit, 4-bit) against
+transformers + torch float32, runs in turn, ratios per round against torch.
+
+    python -m benchmarks.prefill                       # the real Gemma 3 270M and its zoo 8/4-bit folders
+    python -m benchmarks.prefill --gemma4              # the E2B-shaped Gemma 4 (benchmarks.speed's folders)
+    python -m benchmarks.prefill --models gemma-3-270m --torch gemma-3-270m --prompt 2048 --rounds 9
+
+The workload is a prompt of ``--prompt`` random ids (``benchmarks.speed.prompt_ids``) fed to a
+fresh cache as a user's generation does (``models.generation.generate.prefill``: chunks of 512,
+logits of the last position); torch runs ``model(ids, logits_to_keep=1)`` with a fresh cache, as
+its ``generate`` prefills (2 threads, ``attn_implementation="sdpa"``). Our stacks share this process
+(``kernels off`` is the float32 model with ``GEMMA_ZOO_PREFILL_KERNELS=0``, the compiled MLX
+chains and MKL's GEMM); torch runs in its own worker process that imports nothing of the zoo and
+gets this process's environment as it started, plus ``GEMMA_ZOO_BLAS=off`` (MKL's Intel OpenMP,
+which ``zoo_blas`` loads, would otherwise also serve torch's OpenMP calls), and computes only when
+handed a run. Runs go round-robin after ``GAP`` seconds of idle each, so a slow spell of the shared
+box hits every stack alike; each cell is the median [range] of ``--rounds``, the ratios are per
+round. The load average is printed at the start and the end: on a busy box torch's spinning
+OpenMP threads lose more than ours (both are shown; quiet-box numbers are in docs/speed.md).
+"""
+
+from __future__ import annotations
+
+import os
+
+START_ENV = dict(os.environ)  # before any zoo import sets MKL's defaults
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+GAP = 0.5  # seconds of idle before every timed run
+GEMMA3 = ("gemma-3-270m", "gemma-3-270m-8bit", "gemma-3-270m-4bit")
+
+
+def prompt_ids(n: int) -> list[int]:
+    from benchmarks.speed import prompt_ids as ids
+
+    return ids(n)
+
+
+class Ours:
+    """One of our stacks: a zoo name or folder loaded as users load it; ``switches`` are in effect
+    (``zoo_switches.override``) during its runs."""
+
+    def __init__(self, name: str, label: str, switches: dict[str, str] | None = None, model=None):
+        import models
+        from models.zoo import zoo_folder
+
+        self.label, self.switches = label, switches or {}
+        self.model = model or models.load(str(zoo_folder(name) or name), tokenizer=False)
+
+    def run(self, prompt: list[int]) -> float:
+        import zoo_switches
+        from models.generation.generate import prefill
+
+        with zoo_switches.override(**self.switches):
+            start = time.perf_counter()
+            prefill(self.model.forward, prompt, self.model.make_cache())
+            return time.perf_counter() - start
+
+
+class Torch:
+    """transformers + torch on a float32 folder, in a clean worker process (see the module doc)."""
+
+    label = "transformers + torch float32"
+
+    def __init__(self, folder: Path):
+        cmd = [sys.executable, "-m", "benchmarks.prefill", "--worker", str(folder)]
+        env = {**START_ENV, "GEMMA_ZOO_BLAS": "off", "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.notes = self._reply()["notes"]
+
+    def _reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the torch worker exited (code {self.proc.wait()}); its stderr is above")
+        return json.loads(line)
+
+    def run(self, prompt: list[int]) -> float:
+        self.proc.stdin.write(json.dumps(prompt) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()["seconds"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def worker(folder: str) -> None:
+    """The torch side: load, say so, then time one prefill per prompt read from stdin."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
+    blas = sys.modules.get("zoo_blas")  # the import hook runs if transformers looks for mlx
+    if "mlx.core" in sys.modules or (blas is not None and blas.info()["loaded"]):
+        raise RuntimeError("the torch worker loaded MLX or a BLAS of ours: its numbers would not be a user's")
+    print(json.dumps({"notes": f"torch {torch.__version__}, {torch.get_num_threads()} threads"}), flush=True)
+    for line in sys.stdin:
+        ids = torch.tensor([json.loads(line)])
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model(ids, use_cache=True, logits_to_keep=1)
+            seconds = time.perf_counter() - start
+        print(json.dumps({"seconds": seconds}), flush=True)
+
+
+def gemma4_folders() -> tuple[list[str], Path]:
+    """The E2B-shaped Gemma 4 (built once by ``benchmarks.gemma4_text_vs_mlx_lm``) and the 8/4-bit
+    folders ``benchmarks.speed`` converted beside it, where they exist."""
+    from benchmarks.gemma4_text_vs_mlx_lm import build_checkpoint
+
+    folder = build_checkpoint()
+    quantized = [str(p) for bits in (8, 4) for p in sorted(folder.parent.glob(f"{folder.name}-{bits}bit-*"))[:1]]
+    return [str(folder), *quantized], folder
+
+
+def cell(values: list[float], digits: int) -> str:
+    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", help="our stacks, comma-separated zoo names or folders (first: float32)")
+    parser.add_argument("--torch", help="the float32 folder or zoo name torch loads (default: the first of --models)")
+    parser.add_argument("--gemma4", action="store_true", help="the E2B-shaped Gemma 4 and its 8/4-bit folders")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker)
+    if args.gemma4:
+        names, torch_folder = gemma4_folders()
+    else:
+        from models.zoo import zoo_folder
+
+        names = args.models.split(",") if args.models else list(GEMMA3)
+        torch_folder = zoo_folder(args.torch or names[0]) or Path(args.torch or names[0])
+    load_start = os.getloadavg()[0]
+    torch_stack = Torch(torch_folder)
+    first = Ours(names[0], f"ours {Path(names[0]).name}, float32")
+    stacks = [
+        first,
+        Ours(names[0], "  the same, GEMMA_ZOO_PREFILL_KERNELS=0", {"GEMMA_ZOO_PREFILL_KERNELS": "0"}, first.model),
+        *(Ours(name, f"ours {Path(name).name}") for name in names[1:]),
+        torch_stack,
+    ]
+    prompt = prompt_ids(args.prompt)
+    for stack in stacks:
+        stack.run(prompt[:64])  # warm-up
+    times: dict[str, list[float]] = {s.label: [] for s in stacks}
+    for _ in range(args.rounds):
+        for stack in stacks:
+            time.sleep(GAP)
+            times[stack.label].append(stack.run(prompt))
+    torch_stack.close()
+    print(
+        f"Prefill of a {args.prompt}-token prompt, {args.rounds} rounds, stacks in turn (torch in its own process); "
+        f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end on {os.cpu_count()} CPUs."
+    )
+    print("| stack | prefill tok/s | vs torch (per round) |")
+    print("|---|---|---|")
+    reference = times[torch_stack.label]
+    for stack in stacks:
+        rates = [args.prompt / t for t in times[stack.label]]
+        ratios = [r / t for t, r in zip(times[stack.label], reference)]
+        print(f"| {stack.label} | {cell(rates, 1)} | {cell(ratios, 2)}x |")
+    print(f"\ntorch: {torch_stack.notes}; ours: {'; '.join(first.model.device_notes)}")
+
+
+if __name__ == "__main__":
+    main()
