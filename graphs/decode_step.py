@@ -7,8 +7,10 @@ and the RoPE offset are arrays (``cache.positioned``), and what does change a tr
 which layers mask, a switch to quantized KV storage) is part of its key, so each new shape is traced
 once and reused. It applies from outside the graph (the graph's own ``__call__`` runs on stand-in
 caches), where every layer's cache is a plain owning cache holding positions, or a KV-shared view
-of one; anything else (ragged batches, an empty cache) is the plain step's. The weights are
-constants of the trace, so a step that finds a weight replaced traces anew.
+of one; anything else (ragged batches, an empty cache) is the plain step's, and so is a graph that
+has a module that says ``traceable = False`` (one that evaluates arrays inside its forward, as a pipeline stage does
+to order its collectives). The weights are constants of the trace, so a step that finds a weight
+replaced traces anew.
 """
 
 from __future__ import annotations
@@ -33,20 +35,22 @@ class CompiledDecode:
         self.graph = graph
         self._weights: tuple = ([], [], [])
         self._compiled = None
+        self._traceable = True
 
     def __call__(self, ids: mx.array, cache: list) -> mx.array | None:
         if ids.ndim != 2 or ids.shape[1] != 1:
             return None
-        structure = _structure(cache)
+        if self._compiled is None or not self._weights_unchanged():
+            self._weights = _weight_slots(self.graph)
+            self._traceable = all(getattr(module, "traceable", True) for _, module in self.graph.named_modules())
+            self._compiled = mx.compile(self._step)
+        structure = _structure(cache) if self._traceable else None
         if structure is None:
             return None
         owners = [entry for entry in structure if not isinstance(entry, int)]
         runs = [owner.decode_run() for owner in owners]
         if any(run is None for run in runs):
             return None
-        if self._compiled is None or not self._weights_unchanged():
-            self._weights = _weight_slots(self.graph)
-            self._compiled = mx.compile(self._step)
         positions = sorted({(run.write_row, run.start) for run in runs})
         layout, owned = [], iter(zip(owners, runs))
         for entry in structure:

@@ -137,6 +137,10 @@ class PipelineStage(CheckedCaches, nn.Module):
     """One rank's stage of a Gemma 4 decoder: called as the decoder is (``__call__``, ``forward``,
     ``make_cache``), its caches are those of its own layers."""
 
+    # It evaluates inside its forward (collectives in a fixed order), which no compiled step can
+    # trace: one-position forwards stay plain (graphs.decode_step).
+    traceable = False
+
     def __init__(self, decoder: nn.Module, bounds: list[int], group: mx.distributed.Group):
         super().__init__()
         self.decoder = decoder
