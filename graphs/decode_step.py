@@ -7,10 +7,10 @@ and the RoPE offset are arrays (``cache.positioned``), and what does change a tr
 which layers mask, a switch to quantized KV storage) is part of its key, so each new shape is traced
 once and reused. It applies from outside the graph (the graph's own ``__call__`` runs on stand-in
 caches), where every layer's cache is a plain owning cache holding positions, or a KV-shared view
-of one; anything else (ragged batches, an empty cache) is the plain step's, and so is a graph that
-has a module that says ``traceable = False`` (one that evaluates arrays inside its forward, as a pipeline stage does
-to order its collectives). The weights are constants of the trace, so a step that finds a weight
-replaced traces anew.
+of one; anything else (ragged batches, an empty cache) is the plain step's, and so is a graph with
+a module that says ``traceable = False`` (one that evaluates arrays inside its forward, as a
+pipeline stage does to order its collectives). The weights are constants of the trace, so a step
+that finds a weight replaced traces anew.
 """
 
 from __future__ import annotations
