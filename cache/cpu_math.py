@@ -1,4 +1,5 @@
-"""exp (softmax), tanh (GELU, softcap) and RoPE as compiled float32 chains, for MLX's CPU backend.
+"""exp (softmax), tanh (GELU, softcap) and RoPE as compiled float32 chains, for MLX's CPU backend;
+RMSNorm for the graphs.
 
 On Linux, MLX's CPU ``exp``, ``tanh``, ``cos`` and ``sin`` are scalar loops (its SIMD layer has
 no x86 vector type), while a chain of element-wise multiplies and adds compiled by ``mx.compile``
@@ -13,9 +14,9 @@ XLA uses). They are used only where the default device is the CPU; GPUs keep MLX
 (``mx.fast.scaled_dot_product_attention``, ``nn.gelu_approx``). ``GEMMA_ZOO_FAST_MATH=0`` turns
 them off on the CPU too. Without a C++ compiler MLX runs the same chains unfused.
 
-Where the zoo's C++ extension is built, a prefill's attention and GeGLU gate run instead as fused
-kernels on both cores with the same arithmetic (``install``; ``GEMMA_ZOO_PREFILL_KERNELS=0`` keeps
-the chains here).
+Where the zoo's C++ extension is built, a prefill's attention, GeGLU gate, RoPE and RMSNorm run
+instead as kernels on both cores with the same arithmetic (``install``; ``GEMMA_ZOO_PREFILL_KERNELS=0``
+keeps the chains and ``mx.fast.rms_norm``).
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ _native = None
 def install(native) -> None:
     """Use ``native`` for float32 prefill work on the CPU: a module or object with ``on()`` (whether
     it runs now: on the CPU, ``GEMMA_ZOO_FAST_MATH`` and ``GEMMA_ZOO_PREFILL_KERNELS`` on),
-    ``takes(q, keys, values, mask)``, ``attention(q, keys, values, scale, mask)`` and
-    ``gelu_gated(up, gate)`` (``kernels.prefill``); ``None`` removes it."""
+    ``takes(q, keys, values, mask)``, ``attention(q, keys, values, scale, mask)``,
+    ``gelu_gated(up, gate)``, ``rotate(x, cos, sin)`` and ``rms_norm(x, weight, eps)``
+    (``kernels.prefill``); ``None`` removes it."""
     global _native
     _native = native
 
@@ -157,11 +159,12 @@ def tanh(x: mx.array) -> mx.array:
 def gelu_gated(up: mx.array, gate: mx.array) -> mx.array:
     """GeGLU's gating ``gelu(gate) * up`` with the tanh GELU (transformers' ``gelu_pytorch_tanh``);
     on the CPU the GELU is computed in float32 and rounded once to ``gate``'s dtype, as torch does.
-    Float32 rows of a prefill take the installed kernel (both cores); a decode row the compiled chain."""
+    Float32 rows of a prefill take the installed kernel (both cores); decode steps the compiled chain."""
     if not active():
         return nn.gelu_approx(gate) * up
     kernels = native()
-    if kernels is not None and up.dtype == gate.dtype == mx.float32 and up.shape == gate.shape and up.size > up.shape[-1]:
+    prefill = up.ndim > 1 and up.shape[-2] > 1  # [B, L, I] with L > 1
+    if kernels is not None and prefill and up.dtype == gate.dtype == mx.float32 and up.shape == gate.shape:
         return kernels.gelu_gated(up, gate)
     return _gelu_gated(up, gate)
 
@@ -178,4 +181,25 @@ def rotate_half(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     return mx.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-rotate = mx.compile(rotate_half)
+_rotate_chain = mx.compile(rotate_half)
+
+
+def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """``rotate_half`` compiled; float32 rows of a prefill (``[L, D/2]`` or ``[B, 1, L, D/2]`` tables)
+    take the installed kernel (both cores)."""
+    kernels = native()
+    if kernels is not None and x.shape[-2] > 1 and x.dtype == cos.dtype == sin.dtype == mx.float32:
+        return kernels.rotate(x, cos, sin)
+    return _rotate_chain(x, cos, sin)
+
+
+# ---------------------------------------------------------------------------------------- RMSNorm
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+    """``x * (mean(x²) + eps)^-1/2 * weight`` over the last axis, computed in float32 (``weight`` in
+    float32, or None) and rounded once to ``x``'s dtype, as Gemma's norms are: ``mx.fast.rms_norm``;
+    float32 rows of a prefill through the installed kernel (both cores)."""
+    kernels = native()
+    positions = x.ndim > 1 and x.shape[-2] > 1  # [B, L, H] or [B, heads, L, D]: L > 1, not a decode step
+    if kernels is not None and positions and x.dtype == mx.float32 and (weight is None or weight.dtype == mx.float32):
+        return kernels.rms_norm(x, weight, eps)
+    return mx.fast.rms_norm(x.astype(mx.float32), weight, eps).astype(x.dtype)

@@ -47,7 +47,7 @@ class RMSNorm(nn.Module):
         weight = self.get("weight")
         if weight is not None:
             weight = weight.astype(mx.float32)
-        return mx.fast.rms_norm(x.astype(mx.float32), weight, self.eps).astype(x.dtype)
+        return cpu_math.rms_norm(x, weight, self.eps)  # mx.fast.rms_norm; a prefill's rows on both CPU cores
 
 
 class RoPE(nn.Module):

@@ -1,24 +1,26 @@
-"""A prefill's attention and GeGLU gate on both CPU cores: fused float32 kernels of ``kernels._packed``.
+"""A prefill's work on both CPU cores: float32 kernels of ``kernels._packed`` (``kernels/src/prefill*``).
 
-MLX's CPU element-wise kernels run on one core, and its CPU attention is separate products around a
-softmax, so in a prefill chunk the softmax, mask and GELU wait on one core while the BLAS uses two.
-``kernels/src/prefill.cpp`` adds two primitives, split over the extension's thread pool:
+MLX's CPU element-wise kernels run on one core, its CPU attention is separate products around a
+softmax, and MKL, which runs MLX's GEMMs, treats this AMD CPU as a generic one (its float32 GEMM
+runs at about the AVX2 rate). The extension adds MLX primitives split over its thread pool, with
+AVX-512, AVX2 and portable vector code:
 
 - ``attention(q, keys, values, scale, mask)``: ``softmax(q k^T * scale + mask) v`` for a chunk of
   queries, per block of 32 query rows of one head: the scores against keys packed once per kv
   head (GQA's query heads share them), the masked softmax in float32 (Cephes' ``exp``, as
-  ``cache.cpu_math``), the product with the values; a causal block computes only the keys up to its
-  last query;
-- ``gelu_gated(up, gate)``: ``gelu_tanh(gate) * up`` (Eigen's rational ``tanh``, as ``cache.cpu_math``);
-- ``linear(x, w)``: ``x @ w.T``, a prefill's projections: MKL treats this AMD CPU as a generic one
-  and runs its float32 GEMM at about the AVX2 rate, where these AVX-512 tiles run ~1.5-2x faster
-  (``docs/speed.md``). ``Linear`` is an ``nn.Linear`` taking it for many rows;
-  ``models.cpu_kernels.apply`` puts it in a loaded graph.
+  ``cache.cpu_math``), the product with the values; a causal block computes only the keys up to
+  its last query;
+- ``linear(x, w)``: ``x @ w.T`` (the projections), ``x`` packed in panels of 32 rows, tiles of 12
+  weight rows; ``Linear`` is an ``nn.Linear`` taking it for many rows, which
+  ``models.cpu_kernels.apply`` puts in a loaded graph;
+- ``gelu_gated(up, gate)`` (Eigen's rational ``tanh``, as ``cache.cpu_math``), ``rms_norm(x, weight,
+  eps)`` and ``rotate(x, cos, sin)`` (RoPE by tables), split by rows.
 
-Both compute what ``cache.cpu_math``'s compiled chains compute, in float32, up to summation order
-(``tests/test_prefill_kernels.py`` bounds them against float64). ``cache`` imports nothing of the
-project, so ``models`` installs this module there (``cache.cpu_math.install``). ``on()`` says
-whether they run (``GEMMA_ZOO_PREFILL_KERNELS=0`` or ``GEMMA_ZOO_FAST_MATH=0``: MLX's ops).
+Each computes what MLX's ops or ``cache.cpu_math``'s compiled chains compute, in float32, up to
+summation order (``tests/test_prefill_kernels.py`` bounds them against float64). ``cache`` imports
+nothing of the project, so ``models`` installs this module there (``cache.cpu_math.install``).
+``on()`` says whether they run (``GEMMA_ZOO_PREFILL_KERNELS=0`` or ``GEMMA_ZOO_FAST_MATH=0``: MLX's
+ops). ``docs/speed.md`` has the measurements.
 """
 
 from __future__ import annotations
@@ -83,6 +85,17 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask,
         raise ValueError(f"prefill attention: mask must be None, 'causal' or a boolean array, got {mask!r}")
     causal = isinstance(mask, str)
     return _module().prefill_attention(q, keys, values, float(scale), None if causal else mask, causal, isa or "")
+
+
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float, isa: str | None = None) -> mx.array:
+    """``x * (mean(x²) + eps)^-1/2 * weight`` over the last axis, float32 (``weight [D]`` or None)."""
+    return _module().rms_norm(x, weight, float(eps), isa or "")
+
+
+def rotate(x: mx.array, cos: mx.array, sin: mx.array, isa: str | None = None) -> mx.array:
+    """RoPE by tables, ``x cos + rotate_half(x) sin``: float32 ``x [B, H, L, D]`` (any strides),
+    ``cos`` and ``sin`` ``[L, D/2]`` or ``[B, 1, L, D/2]``."""
+    return _module().rope_rotate(x, cos, sin, isa or "")
 
 
 def gelu_gated(up: mx.array, gate: mx.array, isa: str | None = None) -> mx.array:

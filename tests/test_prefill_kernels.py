@@ -146,6 +146,10 @@ def test_cache_reads_take_the_kernels_and_the_switch_turns_them_off(monkeypatch)
         (lambda: prefill.attention(mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), 1.0, "full"),
          "mask must be None, 'causal' or a boolean array"),
         (lambda: prefill.gelu_gated(mx.zeros((2, 3)), mx.zeros((3, 2))), "must have one shape"),
+        (lambda: prefill.rms_norm(mx.zeros((2, 3)), mx.zeros((4,)), 1e-6), r"weight must be \[D\] with D=3"),
+        (lambda: prefill.rotate(mx.zeros((1, 2, 5, 8)), mx.zeros((5, 3)), mx.zeros((5, 3))),
+         r"cos and sin must both be \[L, D/2\]"),
+        (lambda: prefill.rotate(mx.zeros((1, 2, 5, 7)), mx.zeros((5, 3)), mx.zeros((5, 3))), "with an even D"),
         (lambda: prefill.linear(mx.zeros((2, 3)), mx.zeros((4, 5))), r"x \[..., K\] and w \[N, K\] do not match"),
         (lambda: prefill.attention(mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), 1.0, None,
                                    isa="sve"), "isa='sve' is not available"),
@@ -235,3 +239,54 @@ def test_loaded_models_take_the_kernels_and_match_float64(tiny_folders, name):
     with zoo_switches.override(GEMMA_ZOO_PREFILL_KERNELS="0"):
         off = np.array(model.logits(mx.array(ids)))
     assert np.abs(on - want).max() <= max(2 * np.abs(off - want).max(), 1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 40), D=st.integers(1, 300), weighted=st.booleans(), lead=st.sampled_from([(), (2,), (1, 3)]),
+       isa=st.sampled_from(ISAS or ["portable"]), seed=st.integers(0, 2**16))  # fmt: skip
+def test_rms_norm_matches_float64(rows, D, weighted, lead, isa, seed):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((*lead, rows, D)) * rng.uniform(0.01, 30)).astype(np.float32)
+    w = rng.standard_normal(D).astype(np.float32) if weighted else None
+    got = np.array(prefill.rms_norm(mx.array(x), None if w is None else mx.array(w), 1e-6, isa=isa))
+    x64 = x.astype(np.float64)
+    want = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6) * (1.0 if w is None else w.astype(np.float64))
+    scale = 1.0 if w is None else np.abs(w).max()
+    # each output: a float32 sum of D squares (relative eps * D / 2 in the norm) and two roundings
+    assert np.abs(got - want).max() <= (6e-8 * D + 3e-7) * np.abs(x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6)).max() * scale + 1e-30
+
+
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 2), H=st.integers(1, 4), L=st.integers(1, 40), half=st.integers(1, 70), per_row=st.booleans(),
+       isa=st.sampled_from(ISAS or ["portable"]), seed=st.integers(0, 2**16))  # fmt: skip
+def test_rotate_matches_float64_on_strided_queries(B, H, L, half, per_row, isa, seed):
+    rng = np.random.default_rng(seed)
+    D = 2 * half
+    x = rng.standard_normal((B, L, H, D)).astype(np.float32)  # a projection's layout, viewed [B, H, L, D]
+    shape = (B, 1, L, half) if per_row else (L, half)
+    angles = rng.uniform(-50, 50, shape)
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    got = np.array(prefill.rotate(mx.array(x).transpose(0, 2, 1, 3), mx.array(cos), mx.array(sin), isa=isa))
+    xh = x.transpose(0, 2, 1, 3).astype(np.float64)
+    x1, x2 = xh[..., :half], xh[..., half:]
+    c, s = cos.astype(np.float64), sin.astype(np.float64)
+    want = np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    assert np.abs(got - want).max() <= 2.5e-7 * np.abs(xh).max()
+
+
+def test_norm_and_rope_in_cache_take_the_kernels_for_prefill_rows_only(monkeypatch):
+    calls, fused_norm, fused_rotate = [], prefill.rms_norm, prefill.rotate
+    monkeypatch.setattr(prefill, "rms_norm", lambda *a: calls.append("norm") or fused_norm(*a))
+    monkeypatch.setattr(prefill, "rotate", lambda *a: calls.append("rotate") or fused_rotate(*a))
+    x, w = mx.random.normal((1, 20, 64)), mx.random.normal((64,))
+    cos, sin = mx.cos(mx.arange(20 * 32).reshape(20, 32) / 7), mx.sin(mx.arange(20 * 32).reshape(20, 32) / 7)
+    q = x.reshape(1, 20, 2, 32).transpose(0, 2, 1, 3)
+    norm, rotated = cpu_math.rms_norm(x, w, 1e-6), cpu_math.rotate(q, cos[:, :16], sin[:, :16])
+    assert calls == ["norm", "rotate"]
+    assert mx.abs(norm - mx.fast.rms_norm(x, w, 1e-6)).max().item() < 1e-5
+    assert mx.abs(rotated - cpu_math.rotate_half(q, cos[:, :16], sin[:, :16])).max().item() < 1e-5
+    cpu_math.rms_norm(x[:, :1], w, 1e-6), cpu_math.rotate(q[:, :, :1], cos[:1, :16], sin[:1, :16])  # decode rows
+    cpu_math.rms_norm(x.astype(mx.bfloat16), w, 1e-6)
+    with zoo_switches.override(GEMMA_ZOO_PREFILL_KERNELS="0"):
+        cpu_math.rms_norm(x, w, 1e-6), cpu_math.rotate(q, cos[:, :16], sin[:, :16])
+    assert calls == ["norm", "rotate"]

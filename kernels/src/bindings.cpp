@@ -24,6 +24,10 @@ NB_MODULE(_packed, m) {
         "softmax(q k^T * scale + mask) v in float32, fused and split over the threads (a prefill chunk's queries)");
   m.def("prefill_linear", &zoo::prefill_linear, "x"_a, "w"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "x [..., K] @ w[N, K]^T in float32, split over the threads (an nn.Linear's product for many rows)");
+  m.def("rms_norm", &zoo::rms_norm, "x"_a, "weight"_a = nb::none(), "eps"_a = 1e-6f, "isa"_a = "", nb::kw_only(),
+        "stream"_a = nb::none(), "x * (mean(x^2) + eps)^-1/2 * weight over the last axis in float32, split over the threads");
+  m.def("rope_rotate", &zoo::rope_rotate, "x"_a, "cos"_a, "sin"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
+        "RoPE by tables (x cos + rotate_half(x) sin) in float32, split over the threads");
   m.def("gelu_gate", &zoo::gelu_gate, "up"_a, "gate"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "gelu_tanh(gate) * up in float32, split over the threads");
   m.def("available_isas", &zoo::available_isas, "instruction sets this CPU and build run, widest first");

@@ -21,9 +21,14 @@ struct Kernels {
   void (*attention_block)(const AttentionArgs&, int64_t, int64_t, int64_t, int64_t, const float*, float*);
   void (*gelu_gate)(const float*, const float*, int64_t, int64_t, float*);
   void (*linear_rows)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
+  void (*rms_norm_rows)(const float*, const float*, int64_t, float, int64_t, int64_t, float*);
+  void (*rotate_rows)(const float*, const int64_t*, int64_t, int64_t, int64_t, const float*, const float*, int64_t,
+                      int64_t, int64_t, float*);
 };
 
-#define ZOO_KERNELS_OF(ns) Kernels{ns::pack_keys, ns::key_block, ns::attention_block, ns::gelu_gate, ns::linear_rows}
+#define ZOO_KERNELS_OF(ns)                                                                                  \
+  Kernels{ns::pack_keys, ns::key_block, ns::attention_block, ns::gelu_gate, ns::linear_rows, ns::rms_norm_rows, \
+          ns::rotate_rows}
 
 Kernels kernels_for(Isa isa) {
 #if defined(__x86_64__) && defined(ZOO_X86_KERNELS)
@@ -151,6 +156,48 @@ void gelu_chunk(void* ctx, int chunk) {
 
 constexpr int64_t kGeluChunk = 1 << 14;  // elements below which a chunk is not worth a thread
 
+// Row-wise work (norms, RoPE) in chunks of rows: about kRowChunk floats a chunk, at most 8 chunks.
+constexpr int64_t kRowChunk = 1 << 14;
+
+int row_chunks(int64_t rows, int64_t row_floats) {
+  const int64_t wanted = rows * row_floats / kRowChunk;
+  const int64_t n = wanted < 1 ? 1 : (wanted > 8 ? 8 : wanted);
+  return static_cast<int>(n < rows ? n : (rows > 0 ? rows : 1));
+}
+
+struct NormJob {
+  Kernels kn;
+  const float* x;
+  const float* w;
+  float* y;
+  int64_t rows, D;
+  float eps;
+  int chunks;
+};
+
+void norm_chunk(void* ctx, int chunk) {
+  const auto& j = *static_cast<const NormJob*>(ctx);
+  j.kn.rms_norm_rows(j.x, j.w, j.D, j.eps, j.rows * chunk / j.chunks, j.rows * (chunk + 1) / j.chunks, j.y);
+}
+
+struct RotateJob {
+  Kernels kn;
+  const float* x;
+  int64_t x_stride[3];
+  const float* cos;
+  const float* sin;
+  int64_t cs_batch;
+  float* out;
+  int64_t rows, H, L, D;
+  int chunks;
+};
+
+void rotate_chunk(void* ctx, int chunk) {
+  const auto& j = *static_cast<const RotateJob*>(ctx);
+  j.kn.rotate_rows(j.x, j.x_stride, j.H, j.L, j.D, j.cos, j.sin, j.cs_batch, j.rows * chunk / j.chunks,
+                   j.rows * (chunk + 1) / j.chunks, j.out);
+}
+
 // x [M, K] @ w[N, K]^T: x packed into panels of key_block() rows (as keys are), then the weight's
 // rows split over the threads in chunks of kLinearRows, each chunk against every panel.
 constexpr int64_t kLinearRows = 48;
@@ -248,6 +295,42 @@ mx::array prefill_linear(const mx::array& x, const mx::array& w, const std::stri
                    {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream)});
 }
 
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight, float eps, const std::string& isa,
+                   mx::StreamOrDevice s) {
+  const char* op = "rms_norm";
+  auto stream = cpu_only(op, s);
+  check_float32(op, "x", x);
+  if (x.ndim() < 1) fail(op, "x must have at least one axis, got a scalar");
+  std::vector<mx::array> inputs{mx::contiguous(x, false, stream)};
+  if (weight) {
+    check_float32(op, "weight", *weight);
+    if (weight->ndim() != 1 || weight->shape(0) != x.shape(-1))
+      fail(op, "weight must be [D] with D=" + std::to_string(x.shape(-1)) + " (x's last axis), got " + shape_of(*weight));
+    inputs.push_back(mx::contiguous(*weight, false, stream));
+  }
+  if (!(eps >= 0.0f)) fail(op, "eps must be >= 0, got " + std::to_string(eps));
+  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, parse_isa(isa), eps, weight.has_value()),
+                   std::move(inputs));
+}
+
+mx::array rope_rotate(const mx::array& x, const mx::array& cos, const mx::array& sin, const std::string& isa,
+                      mx::StreamOrDevice s) {
+  const char* op = "rope_rotate";
+  auto stream = cpu_only(op, s);
+  check_float32(op, "x", x);
+  check_float32(op, "cos", cos);
+  check_float32(op, "sin", sin);
+  if (x.ndim() != 4 || x.shape(3) % 2 != 0) fail(op, "x must be [B, H, L, D] with an even D, got " + shape_of(x));
+  const int B = x.shape(0), L = x.shape(2), half = x.shape(3) / 2;
+  const bool rank2 = cos.ndim() == 2 && cos.shape(0) == L && cos.shape(1) == half;
+  const bool rank4 = cos.ndim() == 4 && cos.shape(0) == B && cos.shape(1) == 1 && cos.shape(2) == L && cos.shape(3) == half;
+  if (!(rank2 || rank4) || sin.shape() != cos.shape())
+    fail(op, "cos and sin must both be [L, D/2] or [B, 1, L, D/2] for x " + shape_of(x) + ", got " + shape_of(cos) +
+                 " and " + shape_of(sin));
+  return mx::array(x.shape(), mx::float32, std::make_shared<RopeRotate>(stream, parse_isa(isa)),
+                   {x, mx::contiguous(cos, false, stream), mx::contiguous(sin, false, stream)});
+}
+
 // ------------------------------------------------------------------------------------ evaluation
 void PrefillAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -313,6 +396,38 @@ void PrefillLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& ou
   });
 }
 
+void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  const int64_t D = out.shape(-1), rows = D > 0 ? static_cast<int64_t>(out.size()) / D : 0;
+  encoder.dispatch([job = NormJob{kernels_for(isa_), inputs[0].data<float>(),
+                                  weighted_ ? inputs[1].data<float>() : nullptr, out.data<float>(), rows, D, eps_,
+                                  row_chunks(rows, D)}]() mutable {
+    if (job.rows) parallel_chunks(job.chunks, norm_chunk, &job);
+  });
+}
+
+void RopeRotate::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  const auto& x = inputs[0];
+  const auto& cos = inputs[1];
+  const int64_t rows = static_cast<int64_t>(out.size()) / (out.shape(3) > 0 ? out.shape(3) : 1);
+  encoder.dispatch([x, job = RotateJob{kernels_for(isa_), nullptr, {0, 0, 0}, cos.data<float>(), inputs[2].data<float>(),
+                                       cos.ndim() == 4 ? static_cast<int64_t>(cos.shape(2)) * cos.shape(3) : 0,
+                                       out.data<float>(), rows, x.shape(1), x.shape(2), x.shape(3),
+                                       row_chunks(rows, x.shape(3))}]() mutable {
+    if (job.rows == 0 || job.D == 0) return;
+    std::vector<float> copy;
+    job.x = rows_of(x, job.x_stride, copy);
+    parallel_chunks(job.chunks, rotate_chunk, &job);
+  });
+}
+
 void PrefillPrimitive::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error(std::string(name()) + " runs on MLX's CPU device only");
 }
@@ -329,6 +444,19 @@ std::vector<mx::Shape> PrefillLinear::output_shapes(const std::vector<mx::array>
 
 bool PrefillLinear::is_equivalent(const mx::Primitive& other) const {
   return isa_ == static_cast<const PrefillLinear&>(other).isa_;
+}
+
+std::vector<mx::Shape> RmsNorm::output_shapes(const std::vector<mx::array>& inputs) { return {inputs[0].shape()}; }
+
+bool RmsNorm::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const RmsNorm&>(other);
+  return isa_ == o.isa_ && eps_ == o.eps_ && weighted_ == o.weighted_;
+}
+
+std::vector<mx::Shape> RopeRotate::output_shapes(const std::vector<mx::array>& inputs) { return {inputs[0].shape()}; }
+
+bool RopeRotate::is_equivalent(const mx::Primitive& other) const {
+  return isa_ == static_cast<const RopeRotate&>(other).isa_;
 }
 
 std::vector<mx::Shape> GeluGate::output_shapes(const std::vector<mx::array>& inputs) { return {inputs[0].shape()}; }

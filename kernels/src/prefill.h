@@ -51,7 +51,10 @@ struct AttentionArgs {
                        const float* panels, float* scratch);                                                  \
   void gelu_gate(const float* up, const float* gate, int64_t i0, int64_t i1, float* out);                    \
   void linear_rows(const float* w, int64_t K, const float* panels, int64_t M, int64_t n0, int64_t n1, float* y, \
-                   int64_t ldy);
+                   int64_t ldy);                                                                              \
+  void rms_norm_rows(const float* x, const float* w, int64_t D, float eps, int64_t r0, int64_t r1, float* y); \
+  void rotate_rows(const float* x, const int64_t x_stride[3], int64_t H, int64_t L, int64_t D, const float* cos, \
+                   const float* sin, int64_t cs_batch, int64_t r0, int64_t r1, float* out);
 
 namespace prefill_portable {
 ZOO_PREFILL_KERNELS
@@ -72,6 +75,14 @@ mx::array prefill_attention(const mx::array& q, const mx::array& k, const mx::ar
 
 // x [..., K] @ w[N, K]^T in float32 (an nn.Linear's product without its bias).
 mx::array prefill_linear(const mx::array& x, const mx::array& w, const std::string& isa = "", mx::StreamOrDevice s = {});
+
+// x * (mean(x^2) + eps)^-1/2 * weight over the last axis, float32 (weight [D] or none).
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight, float eps, const std::string& isa = "",
+                   mx::StreamOrDevice s = {});
+
+// RoPE by tables: x [B, H, L, D] float32, cos and sin [L, D/2] or [B, 1, L, D/2] float32.
+mx::array rope_rotate(const mx::array& x, const mx::array& cos, const mx::array& sin, const std::string& isa = "",
+                      mx::StreamOrDevice s = {});
 
 // gelu_tanh(gate) * up, both float32 of one shape.
 mx::array gelu_gate(const mx::array& up, const mx::array& gate, const std::string& isa = "", mx::StreamOrDevice s = {});
@@ -107,6 +118,29 @@ class PrefillLinear : public PrefillPrimitive {
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
   bool is_equivalent(const mx::Primitive& other) const override;
   const char* name() const override { return "PrefillLinear"; }
+};
+
+class RmsNorm : public PrefillPrimitive {
+ public:
+  RmsNorm(mx::Stream stream, Isa isa, float eps, bool weighted)
+      : PrefillPrimitive(stream, isa), eps_(eps), weighted_(weighted) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  bool is_equivalent(const mx::Primitive& other) const override;
+  const char* name() const override { return "RmsNorm"; }
+
+ private:
+  float eps_;
+  bool weighted_;
+};
+
+class RopeRotate : public PrefillPrimitive {
+ public:
+  using PrefillPrimitive::PrefillPrimitive;
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  bool is_equivalent(const mx::Primitive& other) const override;
+  const char* name() const override { return "RopeRotate"; }
 };
 
 class GeluGate : public PrefillPrimitive {

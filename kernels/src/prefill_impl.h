@@ -281,6 +281,49 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t h, int64_t i0, i
   }
 }
 
+// Rows [r0, r1) of x [R, D]: y = x * (mean(x^2) + eps)^-1/2 * w (w may be null: no weight).
+void rms_norm_rows(const float* x, const float* w, int64_t D, float eps, int64_t r0, int64_t r1, float* y) {
+  const int64_t full = D / W * W;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = x + r * D;
+    float* yr = y + r * D;
+    vf acc = vf{};
+    for (int64_t d = 0; d < full; d += W) {
+      const vf v = load(xr + d);
+      acc += v * v;
+    }
+    float ss = hsum(acc);
+    for (int64_t d = full; d < D; ++d) ss += xr[d] * xr[d];
+    const float inv = 1.0f / __builtin_sqrtf(ss / static_cast<float>(D) + eps);
+    for (int64_t d = 0; d < full; d += W) store(yr + d, w ? load(xr + d) * inv * load(w + d) : load(xr + d) * inv);
+    for (int64_t d = full; d < D; ++d) yr[d] = w ? xr[d] * inv * w[d] : xr[d] * inv;
+  }
+}
+
+// RoPE by tables for rows [r0, r1) of x [B, H, L, D] (row r = (b, h, l)): out = x cos + rotate_half(x) sin,
+// dim i paired with i + D/2; cos and sin [L, D/2] of batch b at cs + b * cs_batch.
+void rotate_rows(const float* x, const int64_t x_stride[3], int64_t H, int64_t L, int64_t D, const float* cos,
+                 const float* sin, int64_t cs_batch, int64_t r0, int64_t r1, float* out) {
+  const int64_t half = D / 2, full = half / W * W;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t b = r / (H * L), h = (r / L) % H, l = r % L;
+    const float* xr = x + b * x_stride[0] + h * x_stride[1] + l * x_stride[2];
+    const float* c = cos + b * cs_batch + l * half;
+    const float* s = sin + b * cs_batch + l * half;
+    float* o = out + r * D;
+    for (int64_t i = 0; i < full; i += W) {
+      const vf x1 = load(xr + i), x2 = load(xr + half + i), cv = load(c + i), sv = load(s + i);
+      store(o + i, x1 * cv - x2 * sv);
+      store(o + half + i, x2 * cv + x1 * sv);
+    }
+    for (int64_t i = full; i < half; ++i) {
+      const float x1 = xr[i], x2 = xr[half + i];
+      o[i] = x1 * c[i] - x2 * s[i];
+      o[half + i] = x2 * c[i] + x1 * s[i];
+    }
+  }
+}
+
 // out[i] = gelu_tanh(gate[i]) * up[i] for i in [i0, i1).
 void gelu_gate(const float* up, const float* gate, int64_t i0, int64_t i1, float* out) {
   int64_t i = i0;
