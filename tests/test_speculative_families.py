@@ -39,14 +39,24 @@ def save_gemma3(directory, seed):
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
+    """The target, another random Gemma 3 as its drafter, and the target's plain greedy ids of ``PROMPT``
+    for a length (each length generated once)."""
     root = tmp_path_factory.mktemp("gemma3")
-    return save_gemma3(root / "target", 0), save_gemma3(root / "draft", 1)
+    target = save_gemma3(root / "target", 0)
+    plain = {}
+
+    def reference(n: int) -> list[int]:
+        if n not in plain:
+            plain[n] = run(target, PROMPT, n)[0]
+        return plain[n]
+
+    return target, save_gemma3(root / "draft", 1), reference
 
 
 @pytest.mark.parametrize("k", [2, 5])
 def test_gemma3_classic_drafters_are_exact(gemma3, k):
-    target, other = gemma3
-    want, _, _ = run(target, PROMPT, 80)
+    target, other, reference = gemma3
+    want = reference(80)
     for draft in (other, ModelDrafter(target, target), WrongOnPurpose(ModelDrafter(target, target), target.vocab_size, 4)):
         got, stats, cache = run(target, PROMPT, 80, draft=draft, num_draft_tokens=k)
         assert first_difference(got, want) is None, f"{type(draft).__name__} k={k}"
@@ -56,8 +66,8 @@ def test_gemma3_classic_drafters_are_exact(gemma3, k):
 @pytest.mark.slow
 @pytest.mark.parametrize("k", range(1, 9))
 def test_gemma3_long_generations_are_exact(gemma3, k):
-    target, other = gemma3
-    want, _, _ = run(target, PROMPT, 400)
+    target, other, reference = gemma3
+    want = reference(400)
     for draft in (other, WrongOnPurpose(ModelDrafter(target, target), target.vocab_size, k + 1)):
         got, _, _ = run(target, PROMPT, 400, draft=draft, num_draft_tokens=k)
         assert first_difference(got, want) is None, f"{type(draft).__name__} k={k}"
