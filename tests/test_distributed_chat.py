@@ -94,16 +94,25 @@ def test_parallel_needs_several_ranks(checkpoint):
     assert "--parallel tensor needs two or more ranks; start it with mlx.launch" in ran.stderr
 
 
-@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
-def test_image_to_text_with_the_image_on_rank_0(vision_checkpoint, tmp_path, mode):
+@pytest.fixture(scope="module")
+def image_command(vision_checkpoint, tmp_path_factory) -> list[str]:
     from PIL import Image
 
-    path = tmp_path / "photo.png"
+    path = tmp_path_factory.mktemp("photo") / "photo.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (100, 150, 3), dtype=np.uint8)).save(path)
-    arguments = ["-m", "examples.image_to_text", "--model", str(vision_checkpoint), "--image", str(path), "--max-tokens", "10",
-                 "--max-soft-tokens", "70"]  # fmt: skip
-    single = subprocess.run([sys.executable, *arguments], cwd=REPO, capture_output=True, text=True, timeout=600)
-    ran = launched([*arguments, "--parallel", mode])
-    assert single.returncode == 0, single.stderr[-2000:]
+    return ["-m", "examples.image_to_text", "--model", str(vision_checkpoint), "--image", str(path), "--max-tokens", "10",
+            "--max-soft-tokens", "70"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def single_image(image_command):
+    """The single process's answer, which both modes must print."""
+    return subprocess.run([sys.executable, *image_command], cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_image_to_text_with_the_image_on_rank_0(image_command, single_image, mode):
+    ran = launched([*image_command, "--parallel", mode])
+    assert single_image.returncode == 0, single_image.stderr[-2000:]
     assert "Node with rank" not in ran.stderr, ran.stderr[-3000:]
-    assert ran.stdout == single.stdout and len(single.stdout.strip()) > 0
+    assert ran.stdout == single_image.stdout and len(single_image.stdout.strip()) > 0
