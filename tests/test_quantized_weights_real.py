@@ -21,15 +21,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from weights.resolve import ModelNotAvailableError
-
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
 import models  # noqa: E402
 from models.convert import convert  # noqa: E402
 from tests import quant_tiny as qt  # noqa: E402
-from tests.test_gemma3_real_weights import TEXT  # noqa: E402
+from tests.test_gemma3_real_weights import TEXT, folder  # noqa: E402,F401  (folder: a fixture)
 from weights.quantize import QuantParams, quantized_modules  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -37,16 +35,6 @@ pytestmark = pytest.mark.slow
 N = 256
 # (bits, group) -> (max mean KL, min top-1 agreement)
 BOUNDS = {(8, 64): (0.03, 0.92), (4, 64): (4.0, 0.25)}
-
-
-@pytest.fixture(scope="module")
-def folder():
-    from models.assets.gemma3_270m import gemma3_270m_folder
-
-    try:
-        return gemma3_270m_folder()
-    except ModelNotAvailableError as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")
