@@ -79,6 +79,24 @@ const float* rows_of(const mx::array& a, int64_t stride[3], std::vector<float>& 
   return copy.data();
 }
 
+// Packed panels for one call, kept by the evaluating thread for the next call up to kKeepFloats:
+// a prefill makes a few such buffers a layer, and a fresh multi-megabyte allocation is handed back
+// to the kernel on free and page-faulted in again on every call.
+constexpr size_t kKeepFloats = size_t{4} << 20;  // 16 MB
+
+struct Panels {
+  std::vector<float> temporary;
+  float* get(size_t floats) {
+    thread_local std::vector<float> kept;
+    if (floats <= kKeepFloats) {
+      if (kept.size() < floats) kept.resize(floats);
+      return kept.data();
+    }
+    temporary.resize(floats);
+    return temporary.data();
+  }
+};
+
 struct PackJob {
   const AttentionArgs* a;
   Kernels kn;
@@ -130,12 +148,13 @@ void run_attention(AttentionArgs a, Isa isa) {
   const int64_t nb = kn.key_block();
   const int64_t panels_per_head = (a.T + nb - 1) / nb;
   const int64_t head_floats = panels_per_head * nb * a.D;
-  std::vector<float> panels(a.B * a.Hkv * head_floats);
+  Panels buffer;
+  float* panels = buffer.get(a.B * a.Hkv * head_floats);
   const int64_t per_chunk = 8;
-  PackJob pack{&a, kn, panels.data(), panels_per_head, per_chunk, (panels_per_head + per_chunk - 1) / per_chunk};
+  PackJob pack{&a, kn, panels, panels_per_head, per_chunk, (panels_per_head + per_chunk - 1) / per_chunk};
   parallel_chunks(static_cast<int>(a.B * a.Hkv * pack.chunks_per_head), pack_chunk, &pack);
   const int64_t blocks = (a.L + kBlockRows - 1) / kBlockRows;
-  AttendJob attend{&a, kn, panels.data(), head_floats, blocks, kBlockRows * panels_per_head * nb};
+  AttendJob attend{&a, kn, panels, head_floats, blocks, kBlockRows * panels_per_head * nb};
   parallel_chunks(static_cast<int>(a.B * a.Hq * blocks), attend_chunk, &attend);
 }
 
@@ -228,8 +247,8 @@ void linear_chunk(void* ctx, int chunk) {
 void run_linear(LinearJob j) {
   const int64_t nb = j.kn.key_block();
   const int64_t npanels = (j.M + nb - 1) / nb;
-  std::vector<float> panels(npanels * nb * j.K);
-  j.panels = panels.data();
+  Panels buffer;
+  j.panels = buffer.get(npanels * nb * j.K);
   j.per_pack = 2;
   parallel_chunks(static_cast<int>((npanels + j.per_pack - 1) / j.per_pack), linear_pack_chunk, &j);
   parallel_chunks(static_cast<int>((j.N + kLinearRows - 1) / kLinearRows), linear_chunk, &j);
