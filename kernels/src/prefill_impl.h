@@ -80,28 +80,30 @@ inline vf gelu_gate(vf gate, vf up) {
   return splat(0.5f) * gate * (splat(1.0f) + tanh_rational(inner)) * up;
 }
 
-// S[r, j] = q_r . k_j for M query rows (q rows ldq apart) and the keys of packed panels
-// [jb0, jb1) (each D x NB, see pack_keys); S rows lds apart.
+// tile[r, :] = a_r[0:kc] . panel[0:kc, :] for M rows of a (lda apart: query rows, weight rows) and
+// one panel of NB packed rows (kc x NB floats, see pack_keys); tile rows ldt apart.
 template <int M>
-inline void scores_tile(const float* q, int64_t ldq, const float* panels, int64_t D, int64_t jb0, int64_t jb1,
-                        float* s, int64_t lds) {
-  for (int64_t jb = jb0; jb < jb1; ++jb) {
-    const float* b = panels + jb * D * NB;
-    vf acc[M][2];
-    for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = vf{};
-    for (int64_t d = 0; d < D; ++d) {
-      const vf b0 = load(b + d * NB), b1 = load(b + d * NB + W);
-      for (int r = 0; r < M; ++r) {
-        const float a = q[r * ldq + d];
-        acc[r][0] += b0 * a;
-        acc[r][1] += b1 * a;
-      }
-    }
+inline void panel_tile(const float* a, int64_t lda, const float* panel, int64_t kc, float* tile, int64_t ldt) {
+  vf acc[M][2];
+  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = vf{};
+  for (int64_t d = 0; d < kc; ++d) {
+    const vf b0 = load(panel + d * NB), b1 = load(panel + d * NB + W);
     for (int r = 0; r < M; ++r) {
-      store(s + r * lds + jb * NB, acc[r][0]);
-      store(s + r * lds + jb * NB + W, acc[r][1]);
+      const float x = a[r * lda + d];
+      acc[r][0] += b0 * x;
+      acc[r][1] += b1 * x;
     }
   }
+  for (int r = 0; r < M; ++r) {
+    store(tile + r * ldt, acc[r][0]);
+    store(tile + r * ldt + W, acc[r][1]);
+  }
+}
+
+// S[r, j] = q_r . k_j for M query rows (ldq apart) and the keys of packed panels [0, jb1); S rows lds apart.
+template <int M>
+inline void scores_tile(const float* q, int64_t ldq, const float* panels, int64_t D, int64_t jb1, float* s, int64_t lds) {
+  for (int64_t jb = 0; jb < jb1; ++jb) panel_tile<M>(q, ldq, panels + jb * D * NB, D, s + jb * NB, lds);
 }
 
 // out[r, c0 : c0 + NB] = sum_j P[r, j] v[j, c0 : c0 + NB] over keys [0, n), for M rows.
@@ -137,26 +139,6 @@ inline void values_rows(const AttentionArgs& a, const float* p, int64_t ldp, con
     }
 }
 
-// tile[r, :] = w_r[0:kc] . panel[0:kc, :] for M weight rows (ldw apart) and one panel of NB
-// activation rows (kc x NB floats, see pack_keys).
-template <int M>
-inline void linear_tile(const float* w, int64_t ldw, const float* panel, int64_t kc, float* tile) {
-  vf acc[M][2];
-  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = vf{};
-  for (int64_t d = 0; d < kc; ++d) {
-    const vf b0 = load(panel + d * NB), b1 = load(panel + d * NB + W);
-    for (int r = 0; r < M; ++r) {
-      const float a = w[r * ldw + d];
-      acc[r][0] += b0 * a;
-      acc[r][1] += b1 * a;
-    }
-  }
-  for (int r = 0; r < M; ++r) {
-    store(tile + r * NB, acc[r][0]);
-    store(tile + r * NB + W, acc[r][1]);
-  }
-}
-
 // y[m, n0 + r] (+)= tile[r, m - m0] for the tile's rows r < rows and activation rows m < M.
 inline void write_tile(const float* tile, int rows, int64_t m0, int64_t M, int64_t n0, float* y, int64_t ldy,
                        bool accumulate) {
@@ -188,9 +170,9 @@ void linear_rows(const float* w, int64_t K, const float* panels, int64_t M, int6
         for (int64_t p = p0; p < p1; ++p) {
           const float* panel = panels + p * K * NB + k0 * NB;
           if (rows == MRL) {
-            linear_tile<MRL>(w + n * K + k0, K, panel, kc, tile);
+            panel_tile<MRL>(w + n * K + k0, K, panel, kc, tile, NB);
           } else {
-            for (int r = 0; r < rows; ++r) linear_tile<1>(w + (n + r) * K + k0, K, panel, kc, tile + r * NB);
+            for (int r = 0; r < rows; ++r) panel_tile<1>(w + (n + r) * K + k0, K, panel, kc, tile + r * NB, NB);
           }
           write_tile(tile, rows, p * NB, M, n, y, ldy, k0 > 0);
         }
@@ -234,8 +216,8 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t h, int64_t i0, i
 
   // Scores: MR rows a tile, then the remainder.
   int64_t r = 0;
-  for (; r + MR <= rows; r += MR) scores_tile<MR>(q + r * a.q_stride[2], a.q_stride[2], panels, a.D, 0, jb1, s + r * lds, lds);
-  for (; r < rows; ++r) scores_tile<1>(q + r * a.q_stride[2], a.q_stride[2], panels, a.D, 0, jb1, s + r * lds, lds);
+  for (; r + MR <= rows; r += MR) scores_tile<MR>(q + r * a.q_stride[2], a.q_stride[2], panels, a.D, jb1, s + r * lds, lds);
+  for (; r < rows; ++r) scores_tile<1>(q + r * a.q_stride[2], a.q_stride[2], panels, a.D, jb1, s + r * lds, lds);
 
   // Softmax rows: scale, mask (-inf), max, e^(x - max); the row sums divide the outputs below.
   float inv_sum[kBlockRows];
