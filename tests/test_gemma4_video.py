@@ -25,14 +25,10 @@ from models.generation.media import timestamp_text  # noqa: E402
 from models.generation.prompts import Prompt, prefill_chunks  # noqa: E402
 from models.media import VideoNotSupportedError  # noqa: E402
 from models.processing.video import Gemma4VideoProcessor, NoVideoFramesError, VideoDecodeError  # noqa: E402
-from tests.hf_tiny import T5_TEXT, T5_TOKENS  # noqa: E402
 from tests.media_tiny import AUDIO, VIDEO, hf_inputs, save_media_model, synthetic_clip  # noqa: E402
+from tests.test_gemma4_audio import VARIANTS  # noqa: E402
 
 TOL = 1e-4
-VARIANTS = {
-    "vision": dict(T5_TEXT, initializer_range=0.15),
-    "causal": dict(T5_TEXT, initializer_range=0.15, use_bidirectional_attention=None),
-}
 PROMPT_VIDEO = [2, 30, 31, VIDEO, 32, 33]
 PROMPT_VIDEO_AUDIO = [2, 30, VIDEO, 31, AUDIO, 32, 33]
 

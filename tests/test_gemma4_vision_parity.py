@@ -20,11 +20,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from graphs.gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower, encode_images  # noqa: E402
-from models.assets.fetch import AssetFetchError  # noqa: E402
 from graphs.gemma4_vision_config import Gemma4VisionConfig  # noqa: E402
 from models.processing.image_processor import Gemma4ImageProcessor  # noqa: E402
-from models.assets.photos import fetch_photos  # noqa: E402
 from tests.hf_tiny import T5_TEXT, T5_TOKENS, T5_VISION, read_config, read_safetensors  # noqa: E402
+from tests.test_image_processor import photos  # noqa: E402,F401  (a fixture)
 from models.registry import load_gemma4_vision_weights  # noqa: E402
 
 HFProcessor = transformers.models.gemma4.image_processing_pil_gemma4.Gemma4ImageProcessorPil
@@ -101,14 +100,6 @@ def synthetic_images():
         pixels = np.clip(base + rng.normal(0, 30, base.shape), 0, 255).astype(np.uint8)
         images.append(Image.fromarray(pixels))
     return images
-
-
-@pytest.fixture(scope="module")
-def photos():
-    try:
-        return fetch_photos()
-    except AssetFetchError as exc:
-        pytest.skip(f"could not download the photo wheels: {exc}")
 
 
 @pytest.fixture(scope="module", params=sorted(TOWER_CONFIGS))
