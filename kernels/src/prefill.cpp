@@ -2,7 +2,9 @@
 // split of the work into jobs for the extension's thread pool (packed.cpp).
 #include "prefill.h"
 
+#include <initializer_list>
 #include <sstream>
+#include <utility>
 #include <stdexcept>
 #include <vector>
 
@@ -55,11 +57,13 @@ mx::Stream cpu_only(const char* op, mx::StreamOrDevice s) {
   return stream;
 }
 
-void check_float32(const char* op, const char* name, const mx::array& a) {
-  if (a.dtype() != mx::float32) {
-    std::ostringstream s;
-    s << name << " must be float32, got " << a.dtype();
-    fail(op, s.str());
+void check_float32(const char* op, std::initializer_list<std::pair<const char*, const mx::array*>> arrays) {
+  for (const auto& [name, a] : arrays) {
+    if (a->dtype() != mx::float32) {
+      std::ostringstream s;
+      s << name << " must be float32, got " << a->dtype();
+      fail(op, s.str());
+    }
   }
 }
 
@@ -96,6 +100,15 @@ struct Panels {
     return temporary.data();
   }
 };
+
+// The output allocated and the encoder of the primitive's stream told what it reads and writes.
+mx::cpu::CommandEncoder& output_encoder(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  return encoder;
+}
 
 struct PackJob {
   const AttentionArgs* a;
@@ -262,9 +275,7 @@ mx::array prefill_attention(const mx::array& q, const mx::array& k, const mx::ar
                             mx::StreamOrDevice s) {
   const char* op = "prefill_attention";
   auto stream = cpu_only(op, s);
-  check_float32(op, "q", q);
-  check_float32(op, "k", k);
-  check_float32(op, "v", v);
+  check_float32(op, {{"q", &q}, {"k", &k}, {"v", &v}});
   if (q.ndim() != 4 || k.ndim() != 4 || v.ndim() != 4)
     fail(op, "q, k and v must be rank 4 [B, H, L, D], got " + shape_of(q) + ", " + shape_of(k) + ", " + shape_of(v));
   const int B = q.shape(0), Hq = q.shape(1), L = q.shape(2), D = q.shape(3);
@@ -286,16 +297,15 @@ mx::array prefill_attention(const mx::array& q, const mx::array& k, const mx::ar
                    std::to_string(T) + ", got " + shape_of(m));
     inputs.push_back(m);
   }
+  const std::vector<float> settings{scale, causal ? 1.0f : 0.0f, mask ? 1.0f : 0.0f};
   return mx::array({B, Hq, L, static_cast<int>(v.shape(3))}, mx::float32,
-                   std::make_shared<PrefillAttention>(stream, parse_isa(isa), scale, causal, mask.has_value()),
-                   std::move(inputs));
+                   std::make_shared<PrefillAttention>(stream, parse_isa(isa), settings), std::move(inputs));
 }
 
 mx::array gelu_gate(const mx::array& up, const mx::array& gate, const std::string& isa, mx::StreamOrDevice s) {
   const char* op = "gelu_gate";
   auto stream = cpu_only(op, s);
-  check_float32(op, "up", up);
-  check_float32(op, "gate", gate);
+  check_float32(op, {{"up", &up}, {"gate", &gate}});
   if (up.shape() != gate.shape()) fail(op, "up " + shape_of(up) + " and gate " + shape_of(gate) + " must have one shape");
   return mx::array(up.shape(), mx::float32, std::make_shared<GeluGate>(stream, parse_isa(isa)),
                    {mx::contiguous(up, false, stream), mx::contiguous(gate, false, stream)});
@@ -304,8 +314,7 @@ mx::array gelu_gate(const mx::array& up, const mx::array& gate, const std::strin
 mx::array prefill_linear(const mx::array& x, const mx::array& w, const std::string& isa, mx::StreamOrDevice s) {
   const char* op = "prefill_linear";
   auto stream = cpu_only(op, s);
-  check_float32(op, "x", x);
-  check_float32(op, "w", w);
+  check_float32(op, {{"x", &x}, {"w", &w}});
   if (w.ndim() != 2 || x.ndim() < 1 || x.shape(-1) != w.shape(1))
     fail(op, "x [..., K] and w [N, K] do not match: x " + shape_of(x) + ", w " + shape_of(w));
   auto shape = x.shape();
@@ -318,27 +327,25 @@ mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight, f
                    mx::StreamOrDevice s) {
   const char* op = "rms_norm";
   auto stream = cpu_only(op, s);
-  check_float32(op, "x", x);
+  check_float32(op, {{"x", &x}});
   if (x.ndim() < 1) fail(op, "x must have at least one axis, got a scalar");
   std::vector<mx::array> inputs{mx::contiguous(x, false, stream)};
   if (weight) {
-    check_float32(op, "weight", *weight);
+    check_float32(op, {{"weight", &*weight}});
     if (weight->ndim() != 1 || weight->shape(0) != x.shape(-1))
       fail(op, "weight must be [D] with D=" + std::to_string(x.shape(-1)) + " (x's last axis), got " + shape_of(*weight));
     inputs.push_back(mx::contiguous(*weight, false, stream));
   }
   if (!(eps >= 0.0f)) fail(op, "eps must be >= 0, got " + std::to_string(eps));
-  return mx::array(x.shape(), mx::float32, std::make_shared<RmsNorm>(stream, parse_isa(isa), eps, weight.has_value()),
-                   std::move(inputs));
+  auto primitive = std::make_shared<RmsNorm>(stream, parse_isa(isa), std::vector<float>{eps, weight ? 1.0f : 0.0f});
+  return mx::array(x.shape(), mx::float32, std::move(primitive), std::move(inputs));
 }
 
 mx::array rope_rotate(const mx::array& x, const mx::array& cos, const mx::array& sin, const std::string& isa,
                       mx::StreamOrDevice s) {
   const char* op = "rope_rotate";
   auto stream = cpu_only(op, s);
-  check_float32(op, "x", x);
-  check_float32(op, "cos", cos);
-  check_float32(op, "sin", sin);
+  check_float32(op, {{"x", &x}, {"cos", &cos}, {"sin", &sin}});
   if (x.ndim() != 4 || x.shape(3) % 2 != 0) fail(op, "x must be [B, H, L, D] with an even D, got " + shape_of(x));
   const int B = x.shape(0), L = x.shape(2), half = x.shape(3) / 2;
   const bool rank2 = cos.ndim() == 2 && cos.shape(0) == L && cos.shape(1) == half;
@@ -352,12 +359,9 @@ mx::array rope_rotate(const mx::array& x, const mx::array& cos, const mx::array&
 
 // ------------------------------------------------------------------------------------ evaluation
 void PrefillAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) encoder.set_input_array(a);
-  encoder.set_output_array(out);
-  encoder.dispatch([inputs, out = out.data<float>(), isa = isa_, scale = scale_, causal = causal_,
-                    masked = masked_]() {
+  auto& encoder = output_encoder(stream(), inputs, out);
+  encoder.dispatch([inputs, out = out.data<float>(), isa = isa_, scale = settings_[0], causal = settings_[1] != 0.0f,
+                    masked = settings_[2] != 0.0f]() {
     const auto &q = inputs[0], &k = inputs[1], &v = inputs[2];
     AttentionArgs a{};
     std::vector<float> qc, kc, vc;
@@ -383,10 +387,7 @@ void PrefillAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array&
 }
 
 void GeluGate::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) encoder.set_input_array(a);
-  encoder.set_output_array(out);
+  auto& encoder = output_encoder(stream(), inputs, out);
   const int64_t n = out.size();
   const int64_t wanted = n / kGeluChunk;
   const int chunks = static_cast<int>(wanted < 1 ? 1 : (wanted > 8 ? 8 : wanted));
@@ -397,10 +398,7 @@ void GeluGate::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
 }
 
 void PrefillLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) encoder.set_input_array(a);
-  encoder.set_output_array(out);
+  auto& encoder = output_encoder(stream(), inputs, out);
   const auto& w = inputs[1];
   const int64_t K = w.shape(1), N = w.shape(0);
   const int64_t M = N > 0 ? static_cast<int64_t>(out.size()) / N : 0;
@@ -416,23 +414,18 @@ void PrefillLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& ou
 }
 
 void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) encoder.set_input_array(a);
-  encoder.set_output_array(out);
+  auto& encoder = output_encoder(stream(), inputs, out);
   const int64_t D = out.shape(-1), rows = D > 0 ? static_cast<int64_t>(out.size()) / D : 0;
   encoder.dispatch([job = NormJob{kernels_for(isa_), inputs[0].data<float>(),
-                                  weighted_ ? inputs[1].data<float>() : nullptr, out.data<float>(), rows, D, eps_,
+                                  settings_[1] != 0.0f ? inputs[1].data<float>() : nullptr, out.data<float>(), rows, D,
+                                  settings_[0],
                                   row_chunks(rows, D)}]() mutable {
     if (job.rows) parallel_chunks(job.chunks, norm_chunk, &job);
   });
 }
 
 void RopeRotate::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  for (const auto& a : inputs) encoder.set_input_array(a);
-  encoder.set_output_array(out);
+  auto& encoder = output_encoder(stream(), inputs, out);
   const auto& x = inputs[0];
   const auto& cos = inputs[1];
   const int64_t rows = static_cast<int64_t>(out.size()) / (out.shape(3) > 0 ? out.shape(3) : 1);
@@ -447,6 +440,11 @@ void RopeRotate::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
   });
 }
 
+bool PrefillPrimitive::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const PrefillPrimitive&>(other);
+  return std::string(name()) == o.name() && isa_ == o.isa_ && settings_ == o.settings_;
+}
+
 void PrefillPrimitive::eval_gpu(const std::vector<mx::array>&, mx::array&) {
   throw std::runtime_error(std::string(name()) + " runs on MLX's CPU device only");
 }
@@ -459,34 +457,6 @@ std::vector<mx::Shape> PrefillLinear::output_shapes(const std::vector<mx::array>
   auto shape = inputs[0].shape();
   shape.back() = inputs[1].shape(0);
   return {shape};
-}
-
-bool PrefillLinear::is_equivalent(const mx::Primitive& other) const {
-  return isa_ == static_cast<const PrefillLinear&>(other).isa_;
-}
-
-std::vector<mx::Shape> RmsNorm::output_shapes(const std::vector<mx::array>& inputs) { return {inputs[0].shape()}; }
-
-bool RmsNorm::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const RmsNorm&>(other);
-  return isa_ == o.isa_ && eps_ == o.eps_ && weighted_ == o.weighted_;
-}
-
-std::vector<mx::Shape> RopeRotate::output_shapes(const std::vector<mx::array>& inputs) { return {inputs[0].shape()}; }
-
-bool RopeRotate::is_equivalent(const mx::Primitive& other) const {
-  return isa_ == static_cast<const RopeRotate&>(other).isa_;
-}
-
-std::vector<mx::Shape> GeluGate::output_shapes(const std::vector<mx::array>& inputs) { return {inputs[0].shape()}; }
-
-bool PrefillAttention::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const PrefillAttention&>(other);
-  return isa_ == o.isa_ && scale_ == o.scale_ && causal_ == o.causal_ && masked_ == o.masked_;
-}
-
-bool GeluGate::is_equivalent(const mx::Primitive& other) const {
-  return isa_ == static_cast<const GeluGate&>(other).isa_;
 }
 
 }  // namespace zoo

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
@@ -87,69 +88,40 @@ mx::array rope_rotate(const mx::array& x, const mx::array& cos, const mx::array&
 // gelu_tanh(gate) * up, both float32 of one shape.
 mx::array gelu_gate(const mx::array& up, const mx::array& gate, const std::string& isa = "", mx::StreamOrDevice s = {});
 
+// What the prefill primitives share: the instruction set, a few numeric settings compared by
+// is_equivalent (scale, flags, eps), the output shape of the first input unless a kind says
+// otherwise, and no GPU.
 class PrefillPrimitive : public mx::UnaryPrimitive {
  public:
-  PrefillPrimitive(mx::Stream stream, Isa isa) : mx::UnaryPrimitive(stream), isa_(isa) {}
+  PrefillPrimitive(mx::Stream stream, Isa isa, std::vector<float> settings = {})
+      : mx::UnaryPrimitive(stream), isa_(isa), settings_(std::move(settings)) {}
   void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override { return {inputs[0].shape()}; }
+  bool is_equivalent(const mx::Primitive& other) const override;
 
  protected:
   Isa isa_;
+  std::vector<float> settings_;
 };
 
-class PrefillAttention : public PrefillPrimitive {
- public:
-  PrefillAttention(mx::Stream stream, Isa isa, float scale, bool causal, bool masked)
-      : PrefillPrimitive(stream, isa), scale_(scale), causal_(causal), masked_(masked) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-  bool is_equivalent(const mx::Primitive& other) const override;
-  const char* name() const override { return "PrefillAttention"; }
+#define ZOO_PREFILL_PRIMITIVE(Name, extra)                                                     \
+  class Name : public PrefillPrimitive {                                                        \
+   public:                                                                                      \
+    using PrefillPrimitive::PrefillPrimitive;                                                   \
+    void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;               \
+    const char* name() const override { return #Name; }                                         \
+    extra                                                                                       \
+  };
 
- private:
-  float scale_;
-  bool causal_;
-  bool masked_;
-};
-
-class PrefillLinear : public PrefillPrimitive {
- public:
-  using PrefillPrimitive::PrefillPrimitive;
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-  bool is_equivalent(const mx::Primitive& other) const override;
-  const char* name() const override { return "PrefillLinear"; }
-};
-
-class RmsNorm : public PrefillPrimitive {
- public:
-  RmsNorm(mx::Stream stream, Isa isa, float eps, bool weighted)
-      : PrefillPrimitive(stream, isa), eps_(eps), weighted_(weighted) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-  bool is_equivalent(const mx::Primitive& other) const override;
-  const char* name() const override { return "RmsNorm"; }
-
- private:
-  float eps_;
-  bool weighted_;
-};
-
-class RopeRotate : public PrefillPrimitive {
- public:
-  using PrefillPrimitive::PrefillPrimitive;
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-  bool is_equivalent(const mx::Primitive& other) const override;
-  const char* name() const override { return "RopeRotate"; }
-};
-
-class GeluGate : public PrefillPrimitive {
- public:
-  using PrefillPrimitive::PrefillPrimitive;
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-  bool is_equivalent(const mx::Primitive& other) const override;
-  const char* name() const override { return "GeluGate"; }
-};
+// settings: scale, causal (0/1), masked (0/1); output [B, Hq, L, Dv].
+ZOO_PREFILL_PRIMITIVE(PrefillAttention,
+                      std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;)
+// output [..., N].
+ZOO_PREFILL_PRIMITIVE(PrefillLinear,
+                      std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;)
+ZOO_PREFILL_PRIMITIVE(RmsNorm, )  // settings: eps, weighted (0/1)
+ZOO_PREFILL_PRIMITIVE(RopeRotate, )
+ZOO_PREFILL_PRIMITIVE(GeluGate, )
+#undef ZOO_PREFILL_PRIMITIVE
 
 }  // namespace zoo
