@@ -1,5 +1,5 @@
 """Prefill only: ours (float32 with and without the prefill kernels, 8-bit, 4-bit) against
-transformers + torch float32, runs in turn, ratios per round against torch.
+transformers + torch float32, runs in turn, ratios per round.
 
     python -m benchmarks.prefill                       # the real Gemma 3 270M and its zoo 8/4-bit folders
     python -m benchmarks.prefill --gemma4              # the E2B-shaped Gemma 4 (benchmarks.speed's folders)
@@ -15,7 +15,7 @@ gets this process's environment as it started, plus ``GEMMA_ZOO_BLAS=off`` (MKL'
 which ``zoo_blas`` loads, would otherwise also serve torch's OpenMP calls), and computes only when
 handed a run. Runs go round-robin after ``GAP`` seconds of idle each, so a slow spell of the shared
 box hits every stack alike; each cell is the median [range] of ``--rounds``, the ratios are per
-round. The load average is printed at the start and the end: on a busy box torch's spinning
+round (against torch, and against our float32 model with the kernels off). The load average is printed at the start and the end: on a busy box torch's spinning
 OpenMP threads lose more than ours (both are shown; quiet-box numbers are in docs/speed.md).
 """
 
@@ -166,13 +166,12 @@ def main() -> None:
         f"Prefill of a {args.prompt}-token prompt, {args.rounds} rounds, stacks in turn (torch in its own process); "
         f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end on {os.cpu_count()} CPUs."
     )
-    print("| stack | prefill tok/s | vs torch (per round) |")
-    print("|---|---|---|")
-    reference = times[torch_stack.label]
+    print("| stack | prefill tok/s | vs torch | vs kernels off |")
+    print("|---|---|---|---|")
     for stack in stacks:
         rates = [args.prompt / t for t in times[stack.label]]
-        ratios = [r / t for t, r in zip(times[stack.label], reference)]
-        print(f"| {stack.label} | {cell(rates, 1)} | {cell(ratios, 2)}x |")
+        ratios = [cell([r / t for t, r in zip(times[stack.label], times[s.label])], 2) for s in (torch_stack, stacks[1])]
+        print(f"| {stack.label} | {cell(rates, 1)} | {ratios[0]}x | {ratios[1]}x |")
     print(f"\ntorch: {torch_stack.notes}; ours: {'; '.join(first.model.device_notes)}")
 
 
