@@ -1,43 +1,94 @@
-"""Decode and prefill of several stacks in one process, run after run in turn: ratios on a busy box.
+"""Decode and prefill of several stacks, run after run in turn: ratios on a busy box.
 
     python -m benchmarks.interleaved                                  # 270M: float32, 8-bit, 4-bit, llama.cpp
     python -m benchmarks.interleaved --models gemma-3-270m-8bit,llama.cpp --rounds 9
 
 ``benchmarks.speed`` runs each stack in its own process, minutes apart; on a shared machine whose
 load swings (the project's 2-core box often runs other tenants' test suites) a slow spell then
-hits one stack and not the next. Here every stack is loaded once into one process and the timed
-runs go round-robin (stack A, B, C, A, B, C, ...), so a slow spell hits every stack alike; each
-cell is the median of ``--rounds`` runs with its range, and the ratios are taken per round (each
-against the first stack's run of the same round) before the median. Workload as ``benchmarks.speed``:
-a ``--prompt``-token prompt of random ids (``numpy.random.default_rng(0)``), then ``--gen`` greedy
-tokens. Stacks are zoo names or folders (ours, through ``models.load``, as a user gets them) and
-``llama.cpp`` (llama-cpp-python on the 270M's Q4_K_M GGUF, 2 threads, as in ``benchmarks.speed``)
-and ``torch`` (transformers on the float32 270M, 2 threads, as there).
-Peak memory is not reported: every stack shares the process.
+hits one stack and not the next. Here every stack is loaded once and the timed runs go
+round-robin (stack A, B, C, A, B, C, ...), so a slow spell hits every stack alike; each cell is the
+median of ``--rounds`` runs with its range, and the ratios are taken per round (each against the
+first stack's run of the same round) before the median. Workload as ``benchmarks.speed``: a
+``--prompt``-token prompt of random ids (``numpy.random.default_rng(0)``), then ``--gen`` greedy
+tokens; every run starts after ``GAP`` seconds of idle (threads still spinning after the
+previous stack's run, ours or a peer's, have gone to sleep).
+
+Our stacks (zoo names or folders, through ``models.load``, as a user gets them) share this
+process. The peers run as their users get them, each in its own worker process that imports
+nothing of the zoo (``benchmarks.speed.PEER_ENV``) and runs only when this process hands it a run
+and waits: ``llama.cpp`` (llama-cpp-python on the 270M's Q4_K_M GGUF, 2 threads) and ``torch``
+(transformers on the float32 270M, 2 threads), set up as in ``benchmarks.speed``. In one process
+with ours, llama.cpp decoded 2-3x slower: MKL's Intel OpenMP (loaded by ``zoo_blas``, with
+``KMP_BLOCKTIME=0``) then serves ggml's OpenMP calls too (docs/speed.md, "Measured").
+Peak memory is not reported: our stacks share the process.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-import zoo_blas  # noqa: F401  (before mlx)
+from benchmarks.speed import PEER_ENV, PEERS, ROOT, check_clean, prompt_ids, run_llama, run_ours, run_torch, setup
+
+GAP = 0.5  # seconds of idle before every timed run
 
 
-from benchmarks.speed import gemma3_folder, prompt_ids, run_llama, run_ours, run_torch, setup
+class Worker:
+    """A peer stack in its own clean process: ``run`` hands it a prompt and waits for its timings."""
+
+    def __init__(self, name: str, path: Path):
+        cmd = [sys.executable, "-m", "benchmarks.interleaved", "--worker", name, "--path", str(path)]
+        self.name = name
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=PEER_ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.notes = self._reply()["notes"]
+
+    def _reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.name} worker exited (code {self.proc.wait()}); its stderr is above")
+        return json.loads(line)
+
+    def run(self, prompt: list[int], gen: int) -> tuple[float, float, list[int]]:
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "gen": gen}) + "\n")
+        self.proc.stdin.flush()
+        r = self._reply()
+        return r["first"], r["rest"], r["ids"]
 
 
-def load(name: str) -> tuple[dict, callable]:
-    if name == "llama.cpp":
-        return setup("llama.cpp", Path("."), {}), run_llama
-    if name == "torch":
-        return setup("torch", gemma3_folder(), {}), run_torch
+def serve(name: str, path: str) -> None:
+    """The worker's side: load the peer, then run each requested workload read from stdin."""
+    run = {"llama.cpp": run_llama, "torch": run_torch}[name]
+    state = setup(name, Path(path), {})
+    print(json.dumps({"notes": state["notes"]}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        first, rest, ids = run(state, request["prompt"], request["gen"])
+        check_clean(name)
+        print(json.dumps({"first": first, "rest": rest, "ids": ids}), flush=True)
+
+
+def load(name: str) -> tuple[str, callable]:
+    """``(notes, run(prompt, gen))`` for a stack name."""
+    if name in PEERS:
+        if name == "llama.cpp":
+            from benchmarks.speed import gemma3_gguf
+
+            worker = Worker(name, gemma3_gguf())
+        else:
+            from benchmarks.speed import gemma3_folder
+
+            worker = Worker(name, gemma3_folder())
+        return worker.notes, worker.run
     from models.zoo import zoo_folder
 
-    return setup("ours", zoo_folder(name) or Path(name), {}), run_ours
+    state = setup("ours", zoo_folder(name) or Path(name), {})
+    return state["notes"], lambda prompt, gen: run_ours(state, prompt, gen)
 
 
 def main() -> None:
@@ -46,25 +97,33 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--gen", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker:
+        serve(args.worker, args.path)
+        return
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     stacks = {name: load(name) for name in names}
     prompt = prompt_ids(args.prompt)
-    for state, run in stacks.values():
-        run(state, prompt[:64], 8)  # warm-up
+    for _, run in stacks.values():
+        run(prompt[:64], 8)  # warm-up
     prefill = {n: [] for n in names}
     decode = {n: [] for n in names}
     ids = {}
+    start_load = os.getloadavg()[0]
     for _ in range(args.rounds):
-        for name, (state, run) in stacks.items():
-            first, rest, out = run(state, prompt, args.gen)
+        for name, (_, run) in stacks.items():
+            time.sleep(GAP)
+            first, rest, out = run(prompt, args.gen)
             prefill[name].append(args.prompt / first)
             decode[name].append((len(out) - 1) / rest)
             ids[name] = out[:8]
     base = names[0]
     print(
-        f"Prompt {args.prompt}, {args.gen} greedy tokens, {args.rounds} rounds in one process, stacks in turn; "
-        f"load average {os.getloadavg()[0]:.1f} at the end on {os.cpu_count()} CPUs."
+        f"Prompt {args.prompt}, {args.gen} greedy tokens, {args.rounds} rounds, stacks in turn (peers in their own "
+        f"processes); load average {start_load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end on "
+        f"{os.cpu_count()} CPUs."
     )
     print(f"| stack | prefill tok/s | decode tok/s | prefill vs {base} | decode vs {base} | notes |")
     print("|---|---|---|---|---|---|")
@@ -74,7 +133,7 @@ def main() -> None:
         dr = [a / b for a, b in zip(d, decode[base])]
         print(
             f"| {name} | {_cell(p, 1)} | {_cell(d, 2)} | {_cell(pr, 2)}x | {_cell(dr, 2)}x | "
-            f"{stacks[name][0]['notes']}; first ids {ids[name][:4]} |"
+            f"{stacks[name][0]}; first ids {ids[name][:4]} |"
         )
 
 

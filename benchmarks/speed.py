@@ -18,16 +18,24 @@ mean decode position). Stacks:
 
 - ``ours``: ``models.load`` + ``models.generation.generate.generate_tokens``, out of the box (the fast BLAS
   preload, ``dtype="auto"``, the head layout, the compiled decode pieces);
-- ``ours 8-bit`` / ``ours 4-bit``: the same on a pre-quantized folder (8-bit g64; 4-bit g32 layers
-  with an 8-bit embedding and tied head, the shape of llama.cpp's Q4_K_M with its Q8_0 embedding),
-  written once by ``models.convert`` (the 270M: the zoo's ``gemma-3-270m-8bit`` / ``-4bit``), run
-  through the packed kernels (``kernels``), the CPU default for quantized weights;
+- ``ours 8-bit`` / ``ours 4-bit``: the same on a pre-quantized folder under the zoo's policies
+  (8-bit g64; 4-bit g32 layers with an 8-bit g64 embedding and tied head, the shape of llama.cpp's
+  Q4_K_M with its Q8_0 embedding; float16 scales), written once by ``models.convert`` (the 270M:
+  the zoo's ``gemma-3-270m-8bit`` / ``-4bit``), run through the packed kernels (``kernels``), the
+  CPU default for quantized weights;
 - ``mlx-lm stock``: ``mlx_lm`` as a user gets it (bf16, as Hub checkpoints are; bundled BLAS);
 - ``mlx-lm + BLAS``: ``mlx_lm`` in float32 with the same BLAS as ours loaded before MLX;
 - ``torch``: transformers ``generate`` on PyTorch CPU in float32, 2 threads, sdpa;
 - ``llama.cpp``: llama-cpp-python (built from source) on the Q4_K_M GGUF the 270M ships as,
   ``use_extra_bufts=False`` (the AMX/REPACK buffers segfault on AMX machines); skipped when the
   package is not installed.
+
+The peers (torch, llama.cpp) run as their users get them: their processes import nothing of the
+zoo and get the environment this benchmark was started with (``PEER_ENV``), plus
+``GEMMA_ZOO_BLAS=off`` so the installed import hook (which runs when anything looks for ``mlx``, as
+transformers does) loads no MKL into them. MKL's Intel OpenMP, once in a process, also takes over
+the OpenMP calls of libraries loaded after it (llama.cpp's ggml, torch), with our ``KMP_BLOCKTIME=0``
+(docs/speed.md, "Measured").
 """
 
 from __future__ import annotations
@@ -43,10 +51,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# The peers' environment: as this process was started (before any zoo import set MKL's defaults),
+# and no BLAS preload by the import hook.
+PEER_ENV = {**os.environ, "GEMMA_ZOO_BLAS": "off"}
+PEERS = ("torch", "llama.cpp")
 STACKS = ("ours", "ours 8-bit", "ours 4-bit", "mlx-lm stock", "mlx-lm + BLAS", "torch", "llama.cpp")
-# Our quantized rows: stack -> (bits, group size, embedding bits), on a folder from quantized_folder()
-# (for the 270M the zoo's gemma-3-270m-8bit / -4bit, made with the same settings).
-QUANTIZED = {"ours 8-bit": (8, 64, 8), "ours 4-bit": (4, 32, 8)}
+# Our quantized rows: stack -> bits, on a folder from quantized_folder() under the zoo's policy for
+# those bits (models.zoo.QUANTIZED_270M; for the 270M the zoo's gemma-3-270m-8bit / -4bit).
+QUANTIZED = {"ours 8-bit": 8, "ours 4-bit": 4}
 # name -> (stack, extra environment, child options); the ablations run on the 270M only.
 ABLATIONS = {
     "ours (all on)": ("ours", {}, {}),
@@ -81,23 +93,28 @@ def gemma4_folder() -> Path:
     return build_checkpoint()
 
 
+def gemma3_gguf() -> Path:
+    from models.assets.gemma3_270m import gemma3_270m_gguf
+
+    return gemma3_270m_gguf()
+
+
 MODELS = {"gemma3": ("Gemma 3 270M (real weights)", gemma3_folder), "gemma4": ("Gemma 4 E2B-shaped (random)", gemma4_folder)}
 
 
-def quantized_folder(folder: Path, bits: int, group_size: int, embed_bits: int) -> Path:
-    """``folder`` quantized (``embed_bits`` for the embeddings and tied head) by ``models.convert``,
-    once, beside it; the 270M's is the zoo's own folder."""
+def quantized_folder(folder: Path, bits: int) -> Path:
+    """``folder`` quantized under the zoo's ``bits``-bit policy by ``models.convert``, once, beside
+    it; the 270M's is the zoo's own folder."""
     from models.assets.gemma3_270m import gemma3_270m_folder
-    from models.zoo import ZOO
+    from models.zoo import QUANTIZED_270M, ZOO, policy_name
 
     if folder == gemma3_270m_folder():
         return ZOO[f"gemma-3-270m-{bits}bit"]()
-    out = folder.with_name(f"{folder.name}-{bits}bit-g{group_size}-e{embed_bits}")
+    out = folder.with_name(f"{folder.name}-{policy_name(QUANTIZED_270M[bits])}")
     if not (out / "config.json").is_file():
         from models.convert import convert
-        from weights.quantize import QuantizationPolicy
 
-        convert(str(folder), out, q_policy=QuantizationPolicy(bits, group_size, embed_bits=embed_bits))
+        convert(str(folder), out, q_policy=QUANTIZED_270M[bits])
     return out
 
 
@@ -149,6 +166,8 @@ def child(stack: str, folder: str, n_prompt: int, gen: int, runs: int, options: 
     state = setup(stack, Path(folder), options)
     run(state, prompt[:64], 8)  # warm-up
     results = [run(state, prompt, gen) for _ in range(runs)]
+    if stack in PEERS:
+        check_clean(stack)
     import resource
 
     return {
@@ -162,7 +181,18 @@ def child(stack: str, folder: str, n_prompt: int, gen: int, runs: int, options: 
     }
 
 
+def check_clean(stack: str) -> None:
+    """Refuse a peer's result from a process that loaded a BLAS of ours or MLX."""
+    loaded = [name for name in ("mlx.core",) if name in sys.modules]
+    blas = sys.modules.get("zoo_blas")  # the hook imports it when transformers looks for mlx
+    if blas is not None and blas.info()["loaded"]:
+        loaded.append(blas.info()["name"])
+    if loaded:
+        raise RuntimeError(f"the {stack} process loaded {', '.join(loaded)}: its numbers would not be a user's")
+
+
 def setup(stack: str, folder: Path, options: dict) -> dict:
+    """A stack loaded from ``folder`` (llama.cpp: the GGUF file) and ready to ``run``."""
     if stack in ("ours", *QUANTIZED):
         import zoo_blas
 
@@ -215,9 +245,7 @@ def setup(stack: str, folder: Path, options: dict) -> dict:
         import llama_cpp
         import llama_cpp.llama as llama_module
 
-        from models.assets.gemma3_270m import gemma3_270m_gguf
-
-        gguf = gemma3_270m_gguf()
+        gguf = folder
         default_params = llama_cpp.llama_model_default_params
 
         def no_extra_buffers():
@@ -334,7 +362,8 @@ def spawn(stack: str, folder: Path, args, env: dict | None = None, options: dict
     gen, runs = (min(args.gen, 32), 1) if options.get("short") else (args.gen, args.runs)
     cmd = [sys.executable, "-m", "benchmarks.speed", "--child", stack, "--path", str(folder), "--prompt",
            str(args.prompt), "--gen", str(gen), "--runs", str(runs), "--options", json.dumps(options)]  # fmt: skip
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    base = PEER_ENV if stack in PEERS else os.environ
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**base, **(env or {})})
     if out.returncode != 0:
         return {"error": (out.stderr.strip().splitlines() or ["failed"])[-1][:200]}
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -435,7 +464,9 @@ def main() -> None:
                     rows[name] = {"skipped": "llama-cpp-python is not installed (optional)"}
                     continue
                 print(f"  {title}: {name} (round {round_ + 1}/{args.rounds}) ...", flush=True)
-                path = quantized_folder(folder, *QUANTIZED[stack]) if stack in QUANTIZED else folder
+                path = quantized_folder(folder, QUANTIZED[stack]) if stack in QUANTIZED else folder
+                if stack == "llama.cpp":
+                    path = gemma3_gguf()
                 result = spawn(stack, path, args, env, options)
                 rows[name] = merge(rows.get(name), result)
         if rows:

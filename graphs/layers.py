@@ -6,6 +6,7 @@ a checkpoint maps onto them with renames only where the storage layout differs.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Mapping
 
@@ -151,15 +152,80 @@ def softcap(x: mx.array, cap: float) -> mx.array:
     return cap * cpu_math.tanh(x / cap)
 
 
+class FusedProducts:
+    """Several layers that read the same input (``parts``: a layer's query, key and value projections,
+    or an MLP's up and gate) as one product whose output is theirs side by side.
+
+    ``of(parts)`` concatenates the parts' parameters once (plain, quantized or packed linear layers
+    of one kind, rows after rows) and then stores each part's parameters as a row view of the
+    concatenation: no extra memory, and the graph's parameters (names, shapes, values, saving) are
+    unchanged. Calling it gives the parts' outputs, or None once any part holds another weight than
+    it was made from (a later load or a split replaced it): the caller then runs the parts. Not a
+    module (a plain attribute): parameter walks and ``mx.compile``'s weight checks see the parts only.
+    """
+
+    def __init__(self, module: nn.Module, parts: list[nn.Module]):
+        self.module, self.parts = module, tuple(parts)
+        self.weights = tuple(part["weight"] for part in parts)
+        self.splits = np.cumsum([w.shape[0] for w in self.weights[:-1]]).tolist()
+
+    @staticmethod
+    def mismatch(parts: list[nn.Module]) -> str | None:
+        """Why ``parts`` cannot be one product (kinds, parameters, layouts or dtypes differ), or None."""
+        first = parts[0]
+        keys = sorted(k for k, v in first.items() if isinstance(v, mx.array))
+        for p in parts[1:]:
+            if type(p) is not type(first) or sorted(k for k, v in p.items() if isinstance(v, mx.array)) != keys:
+                return f"{type(p).__name__} with {sorted(p)} beside {type(first).__name__} with {keys}"
+            if any(getattr(p, a, None) != getattr(first, a, None) for a in ("group_size", "bits", "mode")):
+                return "different quantization"
+            if any(p[k].dtype != first[k].dtype or p[k].shape[1:] != first[k].shape[1:] for k in keys):
+                return "different dtypes or input sizes"
+        return None
+
+    @classmethod
+    def of(cls, parts: list[nn.Module]) -> "FusedProducts":
+        why = cls.mismatch(parts)
+        if why:
+            raise ValueError(f"FusedProducts: these layers cannot be one product: {why}")
+        first = parts[0]
+        keys = [k for k, v in first.items() if isinstance(v, mx.array)]
+        module = copy.copy(first)
+        for k in keys:
+            module[k] = mx.concatenate([p[k] for p in parts], axis=0)
+        mx.eval(module.parameters())
+        start = 0
+        for p in parts:
+            rows = p["weight"].shape[0]
+            for k in keys:
+                p[k] = module[k][start : start + rows]
+            start += rows
+        mx.eval([p.parameters() for p in parts])
+        return cls(module, parts)
+
+    def __call__(self, x: mx.array) -> list[mx.array] | None:
+        if any(part.get("weight") is not w for part, w in zip(self.parts, self.weights)):
+            return None
+        return mx.split(self.module(x), self.splits, axis=-1)
+
+
 class GeGLUMLP(nn.Module):
     """``down(gelu(gate(x)) * up(x))``, no biases.
 
     ``use_streams(2)`` (chosen by ``models.precision``) runs the up and gate products of a few rows
     (decode) on two CPU streams, one core streaming each weight; wider inputs are GEMMs the BLAS
-    threads itself. Same parameters, same ops, same numbers.
+    threads itself. ``fuse()`` (also chosen there) makes up and gate one product
+    (``FusedProducts``). Same parameters, same numbers.
     """
 
     two_streams: bool = False
+    fused: FusedProducts | None = None
+
+    def fusable(self) -> list[nn.Module]:
+        return [self.up_proj, self.gate_proj]
+
+    def fuse(self) -> None:
+        self.fused = FusedProducts.of(self.fusable())
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -173,6 +239,9 @@ class GeGLUMLP(nn.Module):
         self.two_streams = n == 2
 
     def __call__(self, x: mx.array) -> mx.array:
+        up_gate = self.fused(x) if self.fused is not None else None
+        if up_gate is not None:
+            return self.down_proj(gelu_gated(*up_gate))
         if self.two_streams and few_rows(x):
             with mx.stream(cpu_streams(2)[1]):
                 up = self.up_proj(x)
@@ -188,7 +257,11 @@ class SelfAttention(nn.Module):
     normed when ``v_norm`` is given. A layer that reuses an earlier layer's keys and values
     (``owns_kv=False``, Gemma 4 KV sharing) has no key/value projections and passes only queries;
     without ``has_v_proj`` (Gemma 4's ``attention_k_eq_v``) the values are the raw ``k_proj`` output.
+    ``fuse()`` (chosen by ``models.precision``) makes the query, key and value projections one
+    product (``FusedProducts``); same parameters, same numbers.
     """
+
+    fused: FusedProducts | None = None
 
     def __init__(
         self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *, bias: bool, rope: "RoPE",
@@ -209,14 +282,23 @@ class SelfAttention(nn.Module):
                 self.v_norm = v_norm(D)
         self.o_proj = nn.Linear(num_heads * D, H, bias=bias)
 
+    def fusable(self) -> list[nn.Module]:
+        """The projections ``fuse`` makes one product (a layer without its own keys has just one)."""
+        return [self[n] for n in ("q_proj", "k_proj", "v_proj") if n in self] if self.owns_kv else []
+
+    def fuse(self) -> None:
+        self.fused = FusedProducts.of(self.fusable())
+
     def __call__(self, x: mx.array, cache, offset: int | tuple[int, ...], read: Read) -> mx.array:
         B, L, _ = x.shape
-        q = norm_rope(self._heads(self.q_proj(x), self.num_heads), self.q_norm, self.rope, offset, self.plus_one)
+        projected = self.fused(x) if self.fused is not None else None
+        raw_q = projected[0] if projected is not None else self.q_proj(x)
+        q = norm_rope(self._heads(raw_q, self.num_heads), self.q_norm, self.rope, offset, self.plus_one)
         if not self.owns_kv:
             out = read(cache, q, scale=self.scale)
         else:
-            raw_k = self.k_proj(x)
-            raw_v = self.v_proj(x) if "v_proj" in self else raw_k
+            raw_k = projected[1] if projected is not None else self.k_proj(x)
+            raw_v = (projected[-1] if projected is not None else self.v_proj(x)) if "v_proj" in self else raw_k
             k = norm_rope(self._heads(raw_k, self.num_kv_heads), self.k_norm, self.rope, offset, self.plus_one)
             v = self._heads(raw_v, self.num_kv_heads)
             if "v_norm" in self:

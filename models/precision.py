@@ -36,7 +36,7 @@ from mlx.utils import tree_flatten, tree_map_with_path
 import kernels
 import zoo_switches
 from cache import cpu_math
-from graphs.layers import GeGLUMLP
+from graphs.layers import FusedProducts, GeGLUMLP, SelfAttention
 from graphs.speedups import VocabularyHead
 from models import cpu_kernels
 
@@ -169,9 +169,12 @@ def prepare(graph: nn.Module, precision: Precision) -> list[str]:
     streams = CPU_STREAMS if zoo_switches.enabled(STREAMS_SWITCH) else 1
     heads = [m for _, m in graph.named_modules() if isinstance(m, VocabularyHead)]
     notes += [note for note in (head.split_head(streams) for head in heads) if note]
+    note = fuse_products(graph)
+    if note:
+        notes.append(note)
     split = 0
     for _, mlp in graph.named_modules():
-        if isinstance(mlp, GeGLUMLP):
+        if isinstance(mlp, GeGLUMLP) and mlp.fused is None:
             own = 1 if isinstance(mlp.up_proj, kernels.PackedLinear) else streams  # a second stream only competes
             mlp.use_streams(own)
             split += own > 1
@@ -179,6 +182,20 @@ def prepare(graph: nn.Module, precision: Precision) -> list[str]:
         notes.append(f"{split} MLPs: decode gate and up products on {streams} CPU streams ({STREAMS_SWITCH}=0: one)")
     mx.clear_cache()  # buffers freed by the casts, dequantization and relayout go back to the system
     return notes
+
+
+def fuse_products(graph: nn.Module) -> str | None:
+    """Each attention layer's query/key/value projections and each GeGLU MLP's up/gate as one
+    product (``fuse()``, ``graphs.layers.FusedProducts``) where they are packed layers: fewer, larger
+    products per decode step, the same numbers. What was fused, or None."""
+    done = 0
+    for _, module in graph.named_modules():
+        if isinstance(module, (SelfAttention, GeGLUMLP)):
+            parts = module.fusable()
+            if len(parts) > 1 and isinstance(parts[0], kernels.PackedLinear) and not FusedProducts.mismatch(parts):
+                module.fuse()
+                done += 1
+    return f"{done} fused products (attention q/k/v, MLP up/gate)" if done else None
 
 
 def quantized_policy(graph: nn.Module) -> tuple[str, str]:
@@ -273,8 +290,14 @@ def _quantized_leaves(graph: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _dense_weight(module: nn.Module) -> mx.array:
+    """The float32 weight; half-precision scales and biases are widened first (dequantizing with
+    them would round every weight to half precision)."""
+    scales, biases = module.scales, module.get("biases")
+    if mx.issubdtype(scales.dtype, mx.floating):
+        scales = scales.astype(mx.float32)
+        biases = None if biases is None else biases.astype(mx.float32)
     return mx.dequantize(
-        module.weight, module.scales, module.get("biases"), group_size=module.group_size, bits=module.bits,
+        module.weight, scales, biases, group_size=module.group_size, bits=module.bits,
         mode=getattr(module, "mode", "affine"),
     ).astype(mx.float32)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -38,6 +39,7 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("packed")
     hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS["T1_bias_untied"], root / "T1_bias_untied")
     hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS["E2B_like"], root / "E2B_like")
+    hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS["T3"], root / "T3")
     _gemma3("base", root / "gemma3")
     return root
 
@@ -68,6 +70,49 @@ def test_packed_model_equals_the_stored_and_dequantized_ones(folders, name, bits
     assert a == b
 
 
+def _unfused(model):
+    for _, module in model.graph.named_modules():
+        if getattr(module, "fused", None) is not None:
+            module.fused = None
+    return model
+
+
+def _stepwise(model, ids: list[int], prompt: int) -> mx.array:
+    cache = model.make_cache()
+    parts = [model.logits([ids[:prompt]], cache)] + [model.logits([[t]], cache) for t in ids[prompt:]]
+    return mx.concatenate(parts, axis=1)
+
+
+@pytest.mark.parametrize("name", ["T1_bias_untied", "E2B_like", "T3", "gemma3"])
+@pytest.mark.parametrize("compile_step", ["1", "0"])
+def test_fused_products_give_the_unfused_logits(folders, name, compile_step):
+    """q/k/v (K=V layers: q/k; KV-shared layers: none) and up/gate as one packed product each: the
+    parameters and the logits are the unfused model's, decode steps bit for bit (the kernel computes
+    each output row alone), with the decode step compiled whole or not."""
+    fused = _load(folders / name, "packed", 4, 32)
+    plain = _unfused(_load(folders / name, "packed", 4, 32))
+    count = sum(getattr(m, "fused", None) is not None for _, m in fused.graph.named_modules())
+    assert count and any(n.startswith(f"{count} fused products") for n in fused.device_notes)
+    mine, theirs = dict(tree_flatten(fused.graph.parameters())), dict(tree_flatten(plain.graph.parameters()))
+    assert mine.keys() == theirs.keys() and all(mx.array_equal(mine[k], theirs[k]).item() for k in mine)
+    ids = qt.token_ids(7, 44, 256)
+    assert qt.max_relative_difference(fused.logits(ids), plain.logits(ids)) < 1e-5
+    with zoo_switches.override(GEMMA_ZOO_COMPILE_STEP=compile_step):
+        a, b = _stepwise(fused, ids[0], 36), _stepwise(plain, ids[0], 36)
+    assert qt.max_relative_difference(a[:, :36], b[:, :36]) < 1e-5
+    assert mx.array_equal(a[:, 36:], b[:, 36:]).item()
+
+
+def test_fused_products_step_aside_for_a_replaced_weight(folders):
+    model = _load(folders / "gemma3", "packed", 8, 64)
+    attn = model.graph.layers[0].self_attn
+    ids = qt.token_ids(8, 6, 256)
+    before = model.logits(ids)
+    attn.k_proj.weight = mx.array(attn.k_proj.weight)  # the same values in another array
+    assert attn.fused(mx.zeros((1, 1, attn.q_proj.weight.shape[1] * 32 // 8))) is None
+    assert mx.array_equal(model.logits(ids), before).item()
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_bf16_scales_are_read_as_stored(folders, tmp_path, bits):
     """A pre-quantized folder's bf16 scales and biases stay bf16 (the kernels read them; 2 bytes a
@@ -84,6 +129,36 @@ def test_bf16_scales_are_read_as_stored(folders, tmp_path, bits):
     assert any("packed with bfloat16 scales" in note for note in packed.device_notes)
     ids = qt.token_ids(4, 20, 256)
     assert qt.max_relative_difference(packed.logits(ids), scaled.logits(ids)) < 1e-4
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_zoo_policies_convert_and_run_packed(folders, tmp_path, bits):
+    """The zoo's quantized 270M policies (float16 scales; at 4 bits an 8-bit g64 embedding and tied
+    head) on a tiny Gemma 3: the written folder says so, the kernels read the float16 scales, and the
+    logits are those of the same folder dequantized to float32 (run as stored, MLX would compute in
+    float16 from those scales)."""
+    from models.zoo import QUANTIZED_270M, policy_name
+
+    policy = QUANTIZED_270M[bits]
+    assert policy_name(policy) == {8: "8bit-g64-e8g64-f16", 4: "4bit-g32-e8g64-f16"}[bits]
+    folder = tmp_path / policy_name(policy)
+    convert(str(folders / "gemma3"), folder, q_policy=policy)
+    packed = _load(folder, "packed", 0, 0, dtype="auto")
+    embed = packed.graph.embed_tokens
+    assert isinstance(embed, kernels.PackedEmbedding) and (embed.bits, embed.group_size) == (8, 64)
+    layer = packed.graph.layers[0].mlp.up_proj
+    assert (layer.bits, layer.group_size) == (bits, policy.group_size)
+    assert layer.scales.dtype == layer.biases.dtype == embed.scales.dtype == mx.float16
+    ids = qt.token_ids(6, 40, 256)
+    want = _load(folder, "dequantize", 0, 0, dtype="auto").logits(ids)
+    assert qt.max_relative_difference(packed.logits(ids), want) < 1e-4
+
+
+def test_a_policy_names_a_bad_scale_dtype():
+    with pytest.raises(ValueError, match="scale_dtype='float64'"):
+        QuantizationPolicy(4, 32, scale_dtype="float64")
+    with pytest.raises(ValueError, match="embed_group_size"):
+        QuantizationPolicy(4, 32, embed_group_size=48)
 
 
 def test_auto_takes_the_kernels_and_an_explicit_packed_without_them_is_refused(folders, monkeypatch):

@@ -6,7 +6,10 @@ Teacher forcing over the first 256 tokens of the Declaration of Independence (th
 quantized, nats per position) and top-1 agreement of the packed path (the CPU default) must equal
 the dequantized path's to 1e-4, both as one 256-row forward (products dequantized in row blocks
 for the BLAS) and in chunks of ``kernels.KERNEL_ROWS`` positions on a cache (every product through
-the kernel). The numbers are printed; ``docs/quantization.md`` keeps them beside their speed.
+the kernel). The largest KL of one position (~0.12 nats at 8 bits) sits where the logits are most
+sensitive, so float32 summation-order differences move it by ~1e-4 (the packed forward's head and
+the dense one go through different GEMMs): it must agree to 1e-3 of its value. The numbers are
+printed; ``docs/quantization.md`` keeps them beside their speed.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ def test_packed_scores_equal_dequantized_scores(name, ids, reference_logits, cap
             print(f"\n[{name} {key[0]}, {key[1]}] {N} positions: KL mean {kl:.5f} max {kl_max:.4f} nats, top-1 {top1:.4f}")
     for how in ("forward", "chunks"):
         p, d = scores["packed", how], scores["dequantized", how]
-        assert abs(p[0] - d[0]) <= 1e-4 and abs(p[1] - d[1]) <= 1e-4 and abs(p[2] - d[2]) <= 1e-4, (how, p, d)
+        assert abs(p[0] - d[0]) <= 1e-4 and abs(p[1] - d[1]) <= 1e-3 * d[1] and abs(p[2] - d[2]) <= 1e-4, (how, p, d)
     max_kl, min_top1 = BOUNDS[name]
     kl, _, top1 = scores["packed", "forward"]
     assert kl <= max_kl and top1 >= min_top1

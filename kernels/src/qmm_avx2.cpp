@@ -1,4 +1,4 @@
-// The packed kernels for AVX2 + FMA: 8 floats a vector. Built with -mavx2 -mfma.
+// The packed kernels for AVX2 + FMA + F16C: 8 floats a vector. Built with -mavx2 -mfma -mf16c.
 #include <immintrin.h>
 
 #include "qmm.h"
@@ -20,6 +20,9 @@ struct V {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  static __m128i load16(const uint16_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  static F f16(const uint16_t* p) { return _mm256_cvtph_ps(load16(p)); }
+  static F bf16(const uint16_t* p) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load16(p)), 16)); }
   static __m128i load8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
   static F u8(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(load8(p))); }
   static void u4(const uint8_t* p, F& lo, F& hi) {

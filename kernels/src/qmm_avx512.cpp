@@ -15,6 +15,9 @@ struct V {
   static F set1(float s) { return _mm512_set1_ps(s); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(F a) { return _mm512_reduce_add_ps(a); }
+  static __m256i load16(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static F f16(const uint16_t* p) { return _mm512_cvtph_ps(load16(p)); }
+  static F bf16(const uint16_t* p) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load16(p)), 16)); }
   static F u8(const uint8_t* p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }

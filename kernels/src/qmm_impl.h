@@ -6,7 +6,8 @@
 // picked by the linker for a narrower one.
 //
 // V provides: L (floats a vector), F (the vector), zero, load, store, set1, fma(a, b, c) = a*b + c,
-// sum (horizontal), u8(p) (L bytes -> L floats), u4(p, lo, hi) (L bytes -> their low and high
+// sum (horizontal), f16(p) and bf16(p) (L half-precision values -> L floats; not in the plain C++
+// build), u8(p) (L bytes -> L floats), u4(p, lo, hi) (L bytes -> their low and high
 // nibbles as floats), u4n(p, a, b) (L bytes -> 2L nibbles in storage order: a the first L), and
 // NR4, the weight rows a tile of 4 activation rows takes (2 where 16 accumulators leave registers
 // to spare: FMA latency times the FMA ports needs about 8 independent sums).
@@ -45,15 +46,57 @@ inline float as_float(F16 v) {
   return sign ? -magnitude : magnitude;
 }
 
+// n scales or biases as float32 into out: half precision converted a vector at a time (W is V; a
+// parameter so that the plain C++ build, whose V has no such conversions, never names them).
+template <class W = V>
+inline void widen(const float* in, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = in[i];
+}
+
+template <class W = V>
+inline void widen(const Bf16* in, int64_t n, float* out) {
+  int64_t i = 0;
+  if constexpr (W::L > 1)
+    for (; i + W::L <= n; i += W::L) W::store(out + i, W::bf16(reinterpret_cast<const uint16_t*>(in + i)));
+  for (; i < n; ++i) out[i] = as_float(in[i]);
+}
+
+template <class W = V>
+inline void widen(const F16* in, int64_t n, float* out) {
+  int64_t i = 0;
+  if constexpr (W::L > 1)
+    for (; i + W::L <= n; i += W::L) W::store(out + i, W::f16(reinterpret_cast<const uint16_t*>(in + i)));
+  for (; i < n; ++i) out[i] = as_float(in[i]);
+}
+
+// Groups whose scales and biases a tile converts at a time (into float arrays on the stack).
+constexpr int64_t kGroupBlock = 64;
+
 // One tile: NR weight rows (from row pointer w, scale/bias rows sc/bi) times MT activation rows.
 template <int BITS, int MT, int NR, class S>
 inline void tile(const float* xp, const float* xs, int64_t K, int64_t G, int group,
                  const uint8_t* w, int64_t row_bytes, const S* sc, const S* bi,
                  float* y, int64_t ldy) {
   F tot[NR][MT];
+  float bias[NR][MT];
   for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MT; ++m) tot[r][m] = V::zero();
+    for (int m = 0; m < MT; ++m) tot[r][m] = V::zero(), bias[r][m] = 0.0f;
+  float scale[NR][kGroupBlock];
   for (int64_t g = 0; g < G; ++g) {
+    const int64_t gb = g % kGroupBlock;
+    if (gb == 0) {
+      const int64_t n = G - g < kGroupBlock ? G - g : kGroupBlock;
+      float b[kGroupBlock];
+      for (int r = 0; r < NR; ++r) {
+        widen(sc + r * G + g, n, scale[r]);
+        widen(bi + r * G + g, n, b);
+        for (int m = 0; m < MT; ++m) {
+          float t = 0.0f;
+          for (int64_t i = 0; i < n; ++i) t += b[i] * xs[m * G + g + i];
+          bias[r][m] += t;
+        }
+      }
+    }
     F acc[NR][MT];
     for (int r = 0; r < NR; ++r)
       for (int m = 0; m < MT; ++m) acc[r][m] = V::zero();
@@ -82,16 +125,12 @@ inline void tile(const float* xp, const float* xs, int64_t K, int64_t G, int gro
       }
     }
     for (int r = 0; r < NR; ++r) {
-      const F s = V::set1(as_float(sc[r * G + g]));
+      const F s = V::set1(scale[r][gb]);
       for (int m = 0; m < MT; ++m) tot[r][m] = V::fma(acc[r][m], s, tot[r][m]);
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MT; ++m) {
-      float b = 0.0f;
-      for (int64_t g = 0; g < G; ++g) b += as_float(bi[r * G + g]) * xs[m * G + g];
-      y[m * ldy + r] = V::sum(tot[r][m]) + b;
-    }
+    for (int m = 0; m < MT; ++m) y[m * ldy + r] = V::sum(tot[r][m]) + bias[r][m];
 }
 
 // Software prefetch this many bytes of weight rows ahead (and the scales and biases of those
