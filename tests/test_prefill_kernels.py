@@ -14,6 +14,7 @@ import models  # noqa: F401  (installs the kernels into cache.cpu_math)
 import zoo_switches
 from cache import attention, cpu_math
 from kernels import prefill
+from models import precision
 
 pytestmark = pytest.mark.skipif(not prefill.available(), reason="the C++ extension is not built here")
 
@@ -217,6 +218,7 @@ def tiny_folders(tmp_path_factory):
     return root
 
 
+@pytest.mark.skipif(not precision.fast_cpu_blas(), reason="models.precision leaves the graph as built without a fast BLAS")
 @pytest.mark.parametrize("name", ["E2B_like", "T1_bias_untied", "gemma3"])
 def test_loaded_models_take_the_kernels_and_match_float64(tiny_folders, name):
     """Loaded as users load them (float32 on this CPU), a 40-token forward through the kernels is
