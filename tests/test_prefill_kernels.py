@@ -21,6 +21,13 @@ pytestmark = pytest.mark.skipif(not prefill.available(), reason="the C++ extensi
 ISAS = prefill.status().module.available_isas() if prefill.available() else []
 
 
+@pytest.fixture(autouse=True)
+def kernels_on():
+    """The kernels switched on whatever the environment says (tests switch them off themselves)."""
+    with zoo_switches.override(GEMMA_ZOO_FAST_MATH="1", GEMMA_ZOO_PREFILL_KERNELS="1"):
+        yield
+
+
 def reference(q, k, v, scale, mask):
     """float64 ``softmax(q k^T * scale + mask) v`` with GQA; ``mask`` None, "causal" or boolean."""
     q, k, v = (a.astype(np.float64) for a in (q, k, v))
