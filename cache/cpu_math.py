@@ -41,8 +41,8 @@ def active() -> bool:
 
 
 # ---------------------------------------------------------------------------------------- the extension's kernels
-# A prefill's attention and GeGLU gate as fused kernels on both cores (``kernels.prefill``, a C++
-# extension). ``cache`` imports nothing of the project, so the models layer, which may import
+# A prefill's attention, GeGLU gate, RoPE and RMSNorm as kernels on both cores (``kernels.prefill``,
+# a C++ extension). ``cache`` imports nothing of the project, so the models layer, which may import
 # ``kernels``, installs them here when the extension is built (``models/cpu_kernels.py``).
 _native = None
 

@@ -1,8 +1,8 @@
 """The C++ extension's prefill kernels (``kernels.prefill``) in the zoo's graphs.
 
 - ``install()``: ``cache`` imports nothing of the project, so it cannot reach the extension itself;
-  ``models`` may import both, and installs the attention and GeGLU gate kernels into
-  ``cache.cpu_math`` once, when the package is imported, before any graph runs.
+  ``models`` may import both, and installs the attention, GeGLU gate, RoPE and RMSNorm kernels
+  into ``cache.cpu_math`` once, when the package is imported, before any graph runs.
 - ``apply(graph)``: a loaded graph's float32 ``nn.Linear`` layers (not the output head) become
   ``kernels.prefill.Linear``: the same parameters, whose products of many rows (a prefill's
   projections) take the extension's GEMM (``models.precision.prepare`` calls it).
