@@ -42,7 +42,7 @@ def apply(graph: nn.Module) -> list[str]:
     ]  # fmt: skip
     graph.update_modules(tree_unflatten([(path, prefill.Linear.of(m)) for path, m in layers]))
     return [
-        f"prefill kernels on both cores: attention, GeGLU gate, {len(layers)} projections of more than "
+        f"prefill kernels on both cores: attention, GeGLU gate, RoPE, RMSNorm, {len(layers)} projections of more than "
         f"{prefill.LINEAR_MIN_ROWS} rows ({prefill.SWITCH}=0: MLX's ops)"
     ]
 

@@ -237,7 +237,7 @@ def test_loaded_models_take_the_kernels_and_match_float64(tiny_folders, name):
     folder = tiny_folders / name
     model = models.load(str(folder), tokenizer=False)
     linears = [m for _, m in model.graph.named_modules() if isinstance(m, prefill.Linear)]
-    assert linears and any(n.startswith(f"prefill kernels on both cores: attention, GeGLU gate, {len(linears)} ")
+    assert linears and any(n.startswith(f"prefill kernels on both cores: attention, GeGLU gate, RoPE, RMSNorm, {len(linears)} ")
                            for n in model.device_notes)  # fmt: skip
     head = model.graph.head_module()
     assert not isinstance(head, prefill.Linear)
