@@ -8,15 +8,17 @@ transformers + torch float32, runs in turn, ratios per round.
 The workload is a prompt of ``--prompt`` random ids (``benchmarks.speed.prompt_ids``) fed to a
 fresh cache as a user's generation does (``models.generation.generate.prefill``: chunks of 512,
 logits of the last position); torch runs ``model(ids, logits_to_keep=1)`` with a fresh cache, as
-its ``generate`` prefills (2 threads, ``attn_implementation="sdpa"``). Our stacks share this process
+its ``generate`` prefills (``attn_implementation="sdpa"``), with 2 threads (the comparison) and 1
+(``--torch-threads``): on a shared box torch's two OpenMP threads collapse when another process
+holds a core, and the one-thread row shows how much. Our stacks share this process
 (``kernels off`` is the float32 model with ``GEMMA_ZOO_PREFILL_KERNELS=0``, the compiled MLX
-chains and MKL's GEMM); torch runs in its own worker process that imports nothing of the zoo and
-gets this process's environment as it started, plus ``GEMMA_ZOO_BLAS=off`` (MKL's Intel OpenMP,
+chains and MKL's GEMM); torch runs in worker processes that import nothing of the zoo and get
+this process's environment as it started, plus ``GEMMA_ZOO_BLAS=off`` (MKL's Intel OpenMP,
 which ``zoo_blas`` loads, would otherwise also serve torch's OpenMP calls), and computes only when
 handed a run. Runs go round-robin after ``GAP`` seconds of idle each, so a slow spell of the shared
 box hits every stack alike; each cell is the median [range] of ``--rounds``, the ratios are per
-round (against torch, and against our float32 model with the kernels off). The load average is printed at the start and the end: on a busy box torch's spinning
-OpenMP threads lose more than ours (both are shown; quiet-box numbers are in docs/speed.md).
+round (against torch with 2 threads, and against our float32 model with the kernels off). The load
+average is printed at the start and the end.
 """
 
 from __future__ import annotations
@@ -66,12 +68,12 @@ class Ours:
 
 
 class Torch:
-    """transformers + torch on a float32 folder, in a clean worker process (see the module doc)."""
+    """transformers + torch on a float32 folder with ``threads`` threads, in a clean worker process
+    (see the module doc)."""
 
-    label = "transformers + torch float32"
-
-    def __init__(self, folder: Path):
-        cmd = [sys.executable, "-m", "benchmarks.prefill", "--worker", str(folder)]
+    def __init__(self, folder: Path, threads: int):
+        self.label = f"transformers + torch float32, {threads} thread{'s' if threads > 1 else ''}"
+        cmd = [sys.executable, "-m", "benchmarks.prefill", "--worker", str(folder), "--threads", str(threads)]
         env = {**START_ENV, "GEMMA_ZOO_BLAS": "off", "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.notes = self._reply()["notes"]
@@ -92,12 +94,12 @@ class Torch:
         self.proc.wait()
 
 
-def worker(folder: str) -> None:
+def worker(folder: str, threads: int) -> None:
     """The torch side: load, say so, then time one prefill per prompt read from stdin."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
     blas = sys.modules.get("zoo_blas")  # the import hook runs if transformers looks for mlx
     if "mlx.core" in sys.modules or (blas is not None and blas.info()["loaded"]):
@@ -133,10 +135,12 @@ def main() -> None:
     parser.add_argument("--gemma4", action="store_true", help="the E2B-shaped Gemma 4 and its 8/4-bit folders")
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--torch-threads", default="2,1", help="a torch worker per thread count (the first: the ratios)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker)
+        return worker(args.worker, args.threads)
     if args.gemma4:
         names, torch_folder = gemma4_folders()
     else:
@@ -145,13 +149,14 @@ def main() -> None:
         names = args.models.split(",") if args.models else list(GEMMA3)
         torch_folder = zoo_folder(args.torch or names[0]) or Path(args.torch or names[0])
     load_start = os.getloadavg()[0]
-    torch_stack = Torch(torch_folder)
+    torches = [Torch(torch_folder, int(n)) for n in args.torch_threads.split(",")]
+    torch_stack = torches[0]
     first = Ours(names[0], f"ours {Path(names[0]).name}, float32")
     stacks = [
         first,
         Ours(names[0], "  the same, GEMMA_ZOO_PREFILL_KERNELS=0", {"GEMMA_ZOO_PREFILL_KERNELS": "0"}, first.model),
         *(Ours(name, f"ours {Path(name).name}") for name in names[1:]),
-        torch_stack,
+        *torches,
     ]
     prompt = prompt_ids(args.prompt)
     for stack in stacks:
@@ -161,12 +166,13 @@ def main() -> None:
         for stack in stacks:
             time.sleep(GAP)
             times[stack.label].append(stack.run(prompt))
-    torch_stack.close()
+    for worker_stack in torches:
+        worker_stack.close()
     print(
         f"Prefill of a {args.prompt}-token prompt, {args.rounds} rounds, stacks in turn (torch in its own process); "
         f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end on {os.cpu_count()} CPUs."
     )
-    print("| stack | prefill tok/s | vs torch | vs kernels off |")
+    print(f"| stack | prefill tok/s | vs torch ({torch_stack.label.split(', ')[-1]}) | vs kernels off |")
     print("|---|---|---|---|")
     for stack in stacks:
         rates = [args.prompt / t for t in times[stack.label]]
