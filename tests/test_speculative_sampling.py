@@ -2,11 +2,15 @@
 
 With temperature 1 and top-k 4 the first two sampled tokens have at most 16 outcomes, whose exact
 probabilities follow from the target's logits (``p(t1) * p(t2 | t1)``, each through the sampler's
-filters). Over many seeds, the outcomes of speculative sampling (drafts from a random assistant,
-so most are rejected and resampled from ``max(0, p - q)``; and from the target itself, so all
-are accepted) must fit those probabilities by Pearson's chi-square test at p > 0.001 (cells with
-an expected count below 5 pooled). Plain sampling (mlx-lm's sampler) is held to the same test, which
-also shows that the loop's ``distribution`` is the one mlx-lm samples from.
+filters). Over many seeds, the outcomes of speculative sampling must fit those probabilities by
+Pearson's chi-square test at p > 0.001 (cells with an expected count below 5 pooled), with drafts
+from: a random assistant (its top 4 never meets the target's here, so every draft is rejected and
+the residual ``max(0, p - q)`` is ``p`` itself); the target with its favourite token withheld
+(``WithoutFavourite``: drafts are accepted in part, and a rejection must resample the favourite,
+a residual unlike ``p``); and the target itself (all are accepted). Plain sampling (mlx-lm's
+sampler) is held to the same test, which also shows that the loop's ``distribution`` is the one
+mlx-lm samples from. Accepting every draft, and resampling a rejection from ``p`` instead of the
+residual, fail the test (``test_the_chi_square_test_catches_a_wrong_rule``).
 
 Sample size of the slow test (``sample_size``): it must catch, with power 0.99 at that p-value, any
 outcome distribution at total-variation distance 0.1 or more from the exact one over the test's
@@ -31,7 +35,7 @@ import mlx.core as mx
 
 from models.generation.generate import SamplingOptions
 from models.generation.speculative import ModelDrafter, distribution
-from tests.speculative_tiny import gemma4_pair
+from tests.speculative_tiny import WithoutFavourite, gemma4_pair
 
 PROMPT = [2, 40, 41]
 OPTIONS = dict(temp=1.0, top_k=4)
@@ -53,6 +57,17 @@ def exact_joint(target) -> dict[tuple[int, int], float]:
         for t2 in np.flatnonzero(second):
             joint[(int(t1), int(t2))] = float(first[t1] * second[t2])
     return joint
+
+
+def drafter_named(name: str, target, assistant):
+    """The drafter of a test case: None (plain sampling), the assistant, the target drafting for
+    itself (``self``) or the same without its favourite token (``without_favourite``)."""
+    if name == "plain":
+        return None
+    if name == "assistant":
+        return assistant
+    self_drafter = ModelDrafter(target, target)
+    return {"self": self_drafter, "without_favourite": WithoutFavourite(self_drafter)}[name]
 
 
 def samples(target, n: int, draft=None) -> Counter:
@@ -88,44 +103,61 @@ def chi_square_p(counts: Counter, joint: dict, n: int) -> float:
     return float(stats_.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue)
 
 
-def test_sampled_pairs_fit_the_target_distribution(pair):
-    """A quick run (100 seeds, the assistant drafting); the slow test below has ``sample_size`` per drafter."""
+QUICK = [("assistant", 100), ("without_favourite", 200)]  # at 200 seeds a resample from p fails (below)
+
+
+@pytest.mark.parametrize("drafter, n", QUICK)
+def test_sampled_pairs_fit_the_target_distribution(pair, drafter, n):
+    """A quick run of ``n`` seeds; the slow test below has ``sample_size`` per drafter."""
     target, assistant = pair
     joint = exact_joint(target)
-    n, drafter, draft = 100, "assistant", assistant
-    counts = samples(target, n, draft)
+    counts = samples(target, n, drafter_named(drafter, target, assistant))
     p = chi_square_p(counts, joint, n)
     assert p > P_VALUE, f"{drafter}: chi-square p = {p:.2e} over {len(joint)} outcomes, counts {dict(counts)}"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter", ["plain", "assistant", "self"])
+@pytest.mark.parametrize("drafter", ["plain", "assistant", "without_favourite", "self"])
 def test_sampled_pairs_fit_over_many_seeds(pair, drafter):
     target, assistant = pair
     joint = exact_joint(target)
     n = sample_size(joint)
-    draft = {"plain": None, "assistant": assistant, "self": ModelDrafter(target, target)}[drafter]
-    counts = samples(target, n, draft)
+    counts = samples(target, n, drafter_named(drafter, target, assistant))
     p = chi_square_p(counts, joint, n)
     assert p > P_VALUE, f"{drafter}: chi-square p = {p:.2e} over {len(joint)} outcomes"
 
 
-def test_the_chi_square_test_catches_a_wrong_rule(pair):
-    """Accepting every draft (no rejection sampling) gives the drafter's distribution: the test must fail."""
+def accept_every_draft(keep):
+    """No rejection sampling: the second token follows the drafter's distribution."""
+
+    def rule(verify, drafts, dists, options):
+        m, token, proposed = keep(verify, drafts, dists, options)
+        return len(drafts), mx.array(0), [int(d.item()) for d in drafts]
+
+    return rule
+
+
+def resample_from_p(keep):
+    """A rejection resampled from the target's ``p`` instead of the residual ``max(0, p - q)``."""
+
+    def rule(verify, drafts, dists, options):
+        m, token, proposed = keep(verify, drafts, dists, options)
+        if m < len(drafts):
+            token = mx.random.categorical(mx.log(distribution(verify[m], options)))
+        return m, token, proposed
+
+    return rule
+
+
+@pytest.mark.parametrize("rule, drafter", [(accept_every_draft, "assistant"), (resample_from_p, "without_favourite")])
+def test_the_chi_square_test_catches_a_wrong_rule(pair, monkeypatch, rule, drafter):
+    """The quick test's run of ``drafter`` under a wrong acceptance rule must fail."""
     import models.generation.speculative as speculative
 
     target, assistant = pair
     joint = exact_joint(target)
-    keep = speculative._accept_sampled
-
-    def accept_all(verify, drafts, dists, options):
-        m, token, proposed = keep(verify, drafts, dists, options)
-        return len(drafts), mx.array(0), [int(d.item()) for d in drafts]
-
-    speculative._accept_sampled = accept_all
-    try:
-        counts = samples(target, 100, assistant)
-    finally:
-        speculative._accept_sampled = keep
+    n = dict(QUICK)[drafter]
+    monkeypatch.setattr(speculative, "_accept_sampled", rule(speculative._accept_sampled))
+    counts = samples(target, n, drafter_named(drafter, target, assistant))
     outside = sum(v for c, v in counts.items() if c not in joint)
-    assert outside > 0 or chi_square_p(counts, joint, 100) < P_VALUE
+    assert outside > 0 or chi_square_p(counts, joint, n) < P_VALUE
