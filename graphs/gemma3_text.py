@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import mlx.core as mx
 import mlx.nn as nn
 
-from cache import KVCache, Read, RotatingKVCache
+from cache import KVCache, Read, RotatingKVCache, cpu_math
 from graphs.gemma3_text_config import SLIDING, Gemma3TextConfig
 
 from .layers import CheckedCaches, GeGLUMLP, RoPE, SelfAttention, float_dtype, softcap
@@ -37,7 +37,7 @@ class GemmaRMSNorm(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         scale = 1.0 + self.weight.astype(mx.float32)
-        return mx.fast.rms_norm(x.astype(mx.float32), scale, self.eps).astype(x.dtype)
+        return cpu_math.rms_norm(x, scale, self.eps)
 
 
 def shared_rope(head_dim: int, params: Mapping[str, Any]) -> RoPE:

@@ -48,7 +48,7 @@ def _norm(x: mx.array, weight: mx.array | None, eps: float, plus_one: bool) -> m
         weight = weight.astype(mx.float32)
         if plus_one:
             weight = 1.0 + weight
-    return mx.fast.rms_norm(x.astype(mx.float32), weight, eps).astype(x.dtype)
+    return cpu_math.rms_norm(x, weight, eps)
 
 
 def _norm_rope(x, weight, offset, freqs, eps, plus_one, dims, base):
