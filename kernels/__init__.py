@@ -3,7 +3,8 @@
 MLX's CPU ``quantized_matmul`` is a scalar loop (112 ms for the 270M's 4-bit head), so on the CPU
 the zoo used to dequantize quantized checkpoints to float32: quantization bought disk space, not
 speed. ``kernels._packed`` (``kernels/src``, built by ``pip install -e .`` on Linux x86-64; see
-``setup.py``) adds two MLX primitives over MLX's own affine layout:
+``setup.py``) adds two MLX primitives over MLX's own affine layout (and the float32 prefill
+primitives of ``kernels.prefill``):
 
 - ``packed_matmul(x, w, scales, biases, group_size, bits)``: ``x @ dequantize(w).T`` for a few rows
   of ``x``, reading the packed bytes once (AVX-512 or AVX2 + FMA, chosen at run time, else plain

@@ -155,10 +155,12 @@ def prepare(graph: nn.Module, precision: Precision) -> list[str]:
     if cpu_math.active():
         notes.append(
             "CPU kernels: vectorised exp (softmax), tanh (GELU, softcap), RoPE tables, attention in query blocks "
-            "(unmasked reads: per kv head) (GEMMA_ZOO_FAST_MATH=0: MLX's ops)"
+            "where the prefill kernels do not take it (unmasked reads: per kv head) (GEMMA_ZOO_FAST_MATH=0: MLX's ops)"
         )
     if zoo_switches.enabled("GEMMA_ZOO_COMPILE"):
         notes.append("decode q/k norm + RoPE compiled (GEMMA_ZOO_COMPILE=0: as plain ops)")
+    if zoo_switches.enabled("GEMMA_ZOO_COMPILE_STEP"):
+        notes.append("decode steps compiled whole (GEMMA_ZOO_COMPILE_STEP=0: the graph's ops built every step)")
     if not on_cpu() or not fast_cpu_blas():
         return notes
     if precision.auto:  # an explicit dtype is the user's choice for the scales too
