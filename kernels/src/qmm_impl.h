@@ -20,9 +20,11 @@ using F = V::F;
 // F16C instruction needed; one conversion a group).
 struct Bf16 {
   uint16_t bits;
+  static constexpr bool brain = true;
 };
 struct F16 {
   uint16_t bits;
+  static constexpr bool brain = false;
 };
 
 inline float as_float(float v) { return v; }
@@ -48,24 +50,13 @@ inline float as_float(F16 v) {
 
 // n scales or biases as float32 into out: half precision converted a vector at a time (W is V; a
 // parameter so that the plain C++ build, whose V has no such conversions, never names them).
-template <class W = V>
-inline void widen(const float* in, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = in[i];
-}
-
-template <class W = V>
-inline void widen(const Bf16* in, int64_t n, float* out) {
+template <class S, class W = V>
+inline void widen(const S* in, int64_t n, float* out) {
   int64_t i = 0;
-  if constexpr (W::L > 1)
-    for (; i + W::L <= n; i += W::L) W::store(out + i, W::bf16(reinterpret_cast<const uint16_t*>(in + i)));
-  for (; i < n; ++i) out[i] = as_float(in[i]);
-}
-
-template <class W = V>
-inline void widen(const F16* in, int64_t n, float* out) {
-  int64_t i = 0;
-  if constexpr (W::L > 1)
-    for (; i + W::L <= n; i += W::L) W::store(out + i, W::f16(reinterpret_cast<const uint16_t*>(in + i)));
+  if constexpr (W::L > 1 && sizeof(S) == 2) {
+    const auto* h = reinterpret_cast<const uint16_t*>(in);
+    for (; i + W::L <= n; i += W::L) W::store(out + i, S::brain ? W::bf16(h + i) : W::f16(h + i));
+  }
   for (; i < n; ++i) out[i] = as_float(in[i]);
 }
 
