@@ -15,8 +15,8 @@ previous stack's run, ours or a peer's, have gone to sleep).
 
 Our stacks (zoo names or folders, through ``models.load``, as a user gets them) share this
 process. The peers run as their users get them, each in its own worker process that imports
-nothing of the zoo (``benchmarks.speed.PEER_ENV``) and runs only when this process hands it a run
-and waits: ``llama.cpp`` (llama-cpp-python on the 270M's Q4_K_M GGUF, 2 threads) and ``torch``
+nothing of the zoo (``benchmarks.peers``) and runs only when this process hands it a run and
+waits: ``llama.cpp`` (llama-cpp-python on the 270M's Q4_K_M GGUF, 2 threads) and ``torch``
 (transformers on the float32 270M, 2 threads), set up as in ``benchmarks.speed``. In one process
 with ours, llama.cpp decoded 2-3x slower: MKL's Intel OpenMP (loaded by ``zoo_blas``, with
 ``KMP_BLOCKTIME=0``) then serves ggml's OpenMP calls too (docs/speed.md, "Measured").
@@ -26,65 +26,21 @@ Peak memory is not reported: our stacks share the process.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-from benchmarks.speed import PEER_ENV, PEERS, ROOT, check_clean, prompt_ids, run_llama, run_ours, run_torch, setup
+from benchmarks.peers import Peer
+from benchmarks.speed import PEERS, cell, gemma3_folder, gemma3_gguf, prompt_ids, run_ours, setup
 
 GAP = 0.5  # seconds of idle before every timed run
-
-
-class Worker:
-    """A peer stack in its own clean process: ``run`` hands it a prompt and waits for its timings."""
-
-    def __init__(self, name: str, path: Path):
-        cmd = [sys.executable, "-m", "benchmarks.interleaved", "--worker", name, "--path", str(path)]
-        self.name = name
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=PEER_ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.notes = self._reply()["notes"]
-
-    def _reply(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the {self.name} worker exited (code {self.proc.wait()}); its stderr is above")
-        return json.loads(line)
-
-    def run(self, prompt: list[int], gen: int) -> tuple[float, float, list[int]]:
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "gen": gen}) + "\n")
-        self.proc.stdin.flush()
-        r = self._reply()
-        return r["first"], r["rest"], r["ids"]
-
-
-def serve(name: str, path: str) -> None:
-    """The worker's side: load the peer, then run each requested workload read from stdin."""
-    run = {"llama.cpp": run_llama, "torch": run_torch}[name]
-    state = setup(name, Path(path), {})
-    print(json.dumps({"notes": state["notes"]}), flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        first, rest, ids = run(state, request["prompt"], request["gen"])
-        check_clean(name)
-        print(json.dumps({"first": first, "rest": rest, "ids": ids}), flush=True)
 
 
 def load(name: str) -> tuple[str, callable]:
     """``(notes, run(prompt, gen))`` for a stack name."""
     if name in PEERS:
-        if name == "llama.cpp":
-            from benchmarks.speed import gemma3_gguf
-
-            worker = Worker(name, gemma3_gguf())
-        else:
-            from benchmarks.speed import gemma3_folder
-
-            worker = Worker(name, gemma3_folder())
-        return worker.notes, worker.run
+        peer = Peer(name, gemma3_gguf() if name == "llama.cpp" else gemma3_folder())
+        return peer.notes, peer.generate
     from models.zoo import zoo_folder
 
     state = setup("ours", zoo_folder(name) or Path(name), {})
@@ -97,12 +53,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--gen", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        serve(args.worker, args.path)
-        return
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     stacks = {name: load(name) for name in names}
     prompt = prompt_ids(args.prompt)
@@ -132,13 +83,9 @@ def main() -> None:
         pr = [a / b for a, b in zip(p, prefill[base])]
         dr = [a / b for a, b in zip(d, decode[base])]
         print(
-            f"| {name} | {_cell(p, 1)} | {_cell(d, 2)} | {_cell(pr, 2)}x | {_cell(dr, 2)}x | "
+            f"| {name} | {cell(p, 1)} | {cell(d, 2)} | {cell(pr, 2)}x | {cell(dr, 2)}x | "
             f"{stacks[name][0]}; first ids {ids[name][:4]} |"
         )
-
-
-def _cell(values: list[float], digits: int) -> str:
-    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
 
 if __name__ == "__main__":

@@ -12,38 +12,26 @@ its ``generate`` prefills (``attn_implementation="sdpa"``), with 2 threads (the 
 (``--torch-threads``): on a shared box torch's two OpenMP threads collapse when another process
 holds a core, and the one-thread row shows how much. Our stacks share this process
 (``kernels off`` is the float32 model with ``GEMMA_ZOO_PREFILL_KERNELS=0``, the compiled MLX
-chains and MKL's GEMM); torch runs in worker processes that import nothing of the zoo and get
-this process's environment as it started, plus ``GEMMA_ZOO_BLAS=off`` (MKL's Intel OpenMP,
-which ``zoo_blas`` loads, would otherwise also serve torch's OpenMP calls), and computes only when
-handed a run. Runs go round-robin after ``GAP`` seconds of idle each, so a slow spell of the shared
-box hits every stack alike; each cell is the median [range] of ``--rounds``, the ratios are per
+chains and MKL's GEMM); torch runs in worker processes that import nothing of the zoo
+(``benchmarks.peers``: MKL's Intel OpenMP, which ``zoo_blas`` loads, would otherwise also serve
+torch's OpenMP calls) and computes only when handed a run. Runs go round-robin after ``GAP``
+seconds of idle each, so a slow spell of the shared box hits every stack alike; each cell is the median [range] of ``--rounds``, the ratios are per
 round (against torch with 2 threads, and against our float32 model with the kernels off). The load
 average is printed at the start and the end.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import time
+from pathlib import Path
 
-START_ENV = dict(os.environ)  # before any zoo import sets MKL's defaults
+from benchmarks.peers import Peer
+from benchmarks.speed import cell, prompt_ids
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 GAP = 0.5  # seconds of idle before every timed run
 GEMMA3 = ("gemma-3-270m", "gemma-3-270m-8bit", "gemma-3-270m-4bit")
-
-
-def prompt_ids(n: int) -> list[int]:
-    from benchmarks.speed import prompt_ids as ids
-
-    return ids(n)
 
 
 class Ours:
@@ -69,49 +57,12 @@ class Ours:
 
 class Torch:
     """transformers + torch on a float32 folder with ``threads`` threads, in a clean worker process
-    (see the module doc)."""
+    (``benchmarks.peers``)."""
 
     def __init__(self, folder: Path, threads: int):
         self.label = f"transformers + torch float32, {threads} thread{'s' if threads > 1 else ''}"
-        cmd = [sys.executable, "-m", "benchmarks.prefill", "--worker", str(folder), "--threads", str(threads)]
-        env = {**START_ENV, "GEMMA_ZOO_BLAS": "off", "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.notes = self._reply()["notes"]
-
-    def _reply(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the torch worker exited (code {self.proc.wait()}); its stderr is above")
-        return json.loads(line)
-
-    def run(self, prompt: list[int]) -> float:
-        self.proc.stdin.write(json.dumps(prompt) + "\n")
-        self.proc.stdin.flush()
-        return self._reply()["seconds"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait()
-
-
-def worker(folder: str, threads: int) -> None:
-    """The torch side: load, say so, then time one prefill per prompt read from stdin."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
-    blas = sys.modules.get("zoo_blas")  # the import hook runs if transformers looks for mlx
-    if "mlx.core" in sys.modules or (blas is not None and blas.info()["loaded"]):
-        raise RuntimeError("the torch worker loaded MLX or a BLAS of ours: its numbers would not be a user's")
-    print(json.dumps({"notes": f"torch {torch.__version__}, {torch.get_num_threads()} threads"}), flush=True)
-    for line in sys.stdin:
-        ids = torch.tensor([json.loads(line)])
-        with torch.inference_mode():
-            start = time.perf_counter()
-            model(ids, use_cache=True, logits_to_keep=1)
-            seconds = time.perf_counter() - start
-        print(json.dumps({"seconds": seconds}), flush=True)
+        self.peer = Peer("torch", folder, threads)
+        self.notes, self.run, self.close = self.peer.notes, self.peer.prefill, self.peer.close
 
 
 def gemma4_folders() -> tuple[list[str], Path]:
@@ -124,10 +75,6 @@ def gemma4_folders() -> tuple[list[str], Path]:
     return [str(folder), *quantized], folder
 
 
-def cell(values: list[float], digits: int) -> str:
-    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", help="our stacks, comma-separated zoo names or folders (first: float32)")
@@ -136,11 +83,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--torch-threads", default="2,1", help="a torch worker per thread count (the first: the ratios)")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--threads", type=int, default=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker:
-        return worker(args.worker, args.threads)
     if args.gemma4:
         names, torch_folder = gemma4_folders()
     else:

@@ -237,10 +237,12 @@ def setup(stack: str, folder: Path, options: dict) -> dict:
         import torch
         from transformers import AutoModelForCausalLM
 
-        torch.set_num_threads(2)
+        threads = options.get("threads", 2)
+        torch.set_num_threads(threads)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
         nbytes = sum(p.numel() * 4 for n, p in model.named_parameters() if "embed_tokens_per_layer" not in n)
-        return {"model": model, "weight_bytes": nbytes, "item_bytes": 4, "notes": f"torch {torch.__version__}, fp32, 2 threads"}
+        return {"model": model, "weight_bytes": nbytes, "item_bytes": 4,
+                "notes": f"torch {torch.__version__}, fp32, {threads} thread{'s' if threads > 1 else ''}"}  # fmt: skip
     if stack == "llama.cpp":
         import llama_cpp
         import llama_cpp.llama as llama_module
@@ -254,9 +256,10 @@ def setup(stack: str, folder: Path, options: dict) -> dict:
             return params
 
         llama_module.llama_cpp.llama_model_default_params = no_extra_buffers
-        llm = llama_cpp.Llama(str(gguf), n_ctx=1024, n_batch=512, n_threads=2, verbose=False)
+        threads = options.get("threads", 2)
+        llm = llama_cpp.Llama(str(gguf), n_ctx=1024, n_batch=512, n_threads=threads, verbose=False)
         return {"model": llm, "weight_bytes": gguf.stat().st_size, "item_bytes": 2,
-                "notes": f"llama-cpp-python {llama_cpp.__version__}, {gguf.name}, 2 threads, use_extra_bufts=False"}  # fmt: skip
+                "notes": f"llama-cpp-python {llama_cpp.__version__}, {gguf.name}, {threads} threads, use_extra_bufts=False"}  # fmt: skip
     raise ValueError(stack)
 
 
