@@ -132,6 +132,14 @@ def save_causal_lm(text_config: dict, directory: Path, *, seed: int = 0, dtype=N
     return model
 
 
+def load_causal_lm(name: str, directory: Path):
+    """The ``TEXT_CONFIGS[name]`` checkpoint saved to ``directory`` by transformers, loaded by the zoo."""
+    import models
+
+    save_causal_lm(TEXT_CONFIGS[name], directory)
+    return models.load(str(directory), tokenizer=False)
+
+
 def save_conditional_generation(directory: Path, *, seed: int = 0):
     """T5: ``Gemma4ForConditionalGeneration`` with a vision tower and no audio, saved to ``directory``."""
     import torch

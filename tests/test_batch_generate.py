@@ -44,9 +44,7 @@ def batched(model, prompts, options, max_tokens, max_batch=3, kv=None) -> list[l
 
 @pytest.fixture(scope="module", params=["T2", "T3"])
 def gemma4(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS[request.param], folder)
-    return models.load(str(folder), tokenizer=False)
+    return hf_tiny.load_causal_lm(request.param, tmp_path_factory.mktemp(request.param))
 
 
 @pytest.fixture(scope="module")

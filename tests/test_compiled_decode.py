@@ -20,22 +20,14 @@ from cache import KVCache, QuantizedKVCache, RotatingKVCache, batch_caches, trim
 from cache.base import AttentionCache  # noqa: E402
 from models.generation.generate import KVQuantization, generate_tokens  # noqa: E402
 from tests import hf_tiny  # noqa: E402
-from tests.test_gemma3_text_parity import _write_checkpoint as write_gemma3  # noqa: E402
+from tests.test_batch_generate import gemma3  # noqa: E402, F401  (the same tiny Gemma 3 fixture)
 
 TOLERANCE = 1e-5  # float32; the compiled step sums the same products, masked rows add exact zeros
 
 
 @pytest.fixture(scope="module", params=["T1", "T2", "T3", "E2B_like"])
 def gemma4(request, tmp_path_factory):
-    folder = tmp_path_factory.mktemp(request.param)
-    hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS[request.param], folder)
-    return models.load(str(folder), tokenizer=False)
-
-
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory):
-    _, folder = write_gemma3("base", tmp_path_factory.mktemp("gemma3"))
-    return models.load(str(folder), tokenizer=False)
+    return hf_tiny.load_causal_lm(request.param, tmp_path_factory.mktemp(request.param))
 
 
 class Commits:
