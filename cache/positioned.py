@@ -14,6 +14,8 @@ positions; a sliding layer's reaches its fixed capacity once).
 
 from __future__ import annotations
 
+from functools import partialmethod
+
 import mlx.core as mx
 
 from . import masks
@@ -61,26 +63,15 @@ class PositionedCache(AttentionCache):
         self._last = Attended("decode", 1, self.offset, keys, values, mask, _geometry(k, v))
         return self.codec.attend(q, keys, values, scale, mask)
 
-    def _refuse(self, read: str):
+    def _refuse(self, read: str, *args, **kwargs):
         raise ValueError(f"{read}: a compiled decode step makes only decode reads (one position per row)")
 
-    def window(self, *args, **kwargs):
-        self._refuse("window")
-
-    def vision_prefill(self, *args, **kwargs):
-        self._refuse("vision_prefill")
-
-    def encoder(self, *args, **kwargs):
-        self._refuse("encoder")
-
-    def bidirectional(self, *args, **kwargs):
-        self._refuse("bidirectional")
-
-    def canvas(self, *args, **kwargs):
-        self._refuse("canvas")
-
-    def draft(self, *args, **kwargs):
-        self._refuse("draft")
+    window = partialmethod(_refuse, "window")
+    vision_prefill = partialmethod(_refuse, "vision_prefill")
+    encoder = partialmethod(_refuse, "encoder")
+    bidirectional = partialmethod(_refuse, "bidirectional")
+    canvas = partialmethod(_refuse, "canvas")
+    draft = partialmethod(_refuse, "draft")
 
     def can_trim(self, n: int) -> bool:
         return False

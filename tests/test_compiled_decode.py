@@ -189,3 +189,20 @@ def test_cache_counters_after_compiled_steps(gemma4):
             kb, vb = b.temporal()
             np.testing.assert_allclose(np.array(ka), np.array(kb), rtol=0, atol=1e-6)
             np.testing.assert_allclose(np.array(va), np.array(vb), rtol=0, atol=1e-6)
+
+
+def test_stand_in_makes_only_decode_reads():
+    from cache import CacheSpec
+    from cache.codecs import Dense
+    from cache.positioned import PositionedCache
+
+    planes = (mx.zeros((1, 1, 4, 8)),)
+    stand_in = PositionedCache(CacheSpec("full"), Dense(), planes, planes, mx.array(2), mx.array(2), mx.array(0), 4, True)
+    x = mx.zeros((1, 1, 1, 8))
+    for read in ("window", "vision_prefill", "encoder", "bidirectional", "canvas", "draft"):
+        with pytest.raises(ValueError, match=f"^{read}: a compiled decode step makes only decode reads"):
+            getattr(stand_in, read)(x, x, x, scale=1.0)
+    with pytest.raises(ValueError, match="exactly L=1"):
+        stand_in.decode(mx.zeros((1, 1, 2, 8)), mx.zeros((1, 1, 2, 8)), mx.zeros((1, 1, 2, 8)), scale=1.0)
+    out = stand_in.decode(x + 1, x + 1, x + 2, scale=1.0)  # rows 0-2 (zeros, then the new row) attended
+    assert out.shape == (1, 1, 1, 8) and float(stand_in.keys[0][0, 0, 2, 0]) == 1.0
