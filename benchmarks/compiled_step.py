@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from pathlib import Path
 
 import zoo_blas  # noqa: F401  (before mlx)
 
 import models
 import zoo_switches
-from benchmarks.speed import cell, gemma4_folder, prompt_ids, quantized_folder
-from models.generation.generate import generate_tokens
+from benchmarks.speed import cell, gemma4_folder, prompt_ids, quantized_folder, run_ours
 
 E2B = {"e2b": None, "e2b-8bit": 8, "e2b-4bit": 4}  # quantized under the zoo's policy for those bits
 
@@ -42,11 +39,8 @@ def folder_of(name: str) -> Path:
 def decode(model, prompt: list[int], gen: int, compiled: bool) -> tuple[float, list[int]]:
     """Tokens per second after the first token, and the ids."""
     with zoo_switches.override(GEMMA_ZOO_COMPILE_STEP=compiled):
-        tokens = generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=gen)
-        ids = [next(tokens)]
-        start = time.perf_counter()
-        ids += list(tokens)
-        return (len(ids) - 1) / (time.perf_counter() - start), ids
+        _, rest, ids = run_ours({"model": model}, prompt, gen)
+        return (len(ids) - 1) / rest, ids
 
 
 def main() -> None:

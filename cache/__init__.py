@@ -10,7 +10,7 @@ the per-graph reads (``decode``, ``window``, ``vision_prefill``, ``encoder``, ``
 
 import zoo_blas  # noqa: F401  (first: loads a fast BLAS before anything imports MLX; see zoo_blas.py)
 
-from .base import AttentionCache, MediaSplitError, SharedView
+from .base import AttentionCache, MediaSplitError, SharedView, same_offset
 from .batch import BatchCache, BatchSharedView, advance, batch_caches
 from .full import KVCache, QuantizedKVCache
 from .quantize import quantize_caches
@@ -70,6 +70,7 @@ __all__ = [
     "cache_from_state",
     "cache_offset",
     "owning_caches",
+    "same_offset",
     "trim_cache",
     "quantize_caches",
 ]

@@ -217,7 +217,7 @@ class AttentionCache:
         self._last = None
         self._ends_in_image = None
 
-    def _decode_room(self, like_k: "Shaped", like_v: "Shaped") -> tuple[int, int]:
+    def _decode_room(self, like_k: Shaped, like_v: Shaped) -> tuple[int, int]:
         """Subclass hook: room for one position; ``(row it is written at, rows a decode read spans)``."""
         raise NotImplementedError
 
@@ -407,8 +407,9 @@ class AttentionCache:
         return ()
 
 
-def _same_offset(a, b) -> bool:
-    """Offsets are ints, or inside a compiled step one array per forward: the same object."""
+def same_offset(a, b) -> bool:
+    """Whether two offsets are the same positions: ints (and per-row tuples) by value; an array
+    offset (one per forward of a compiled decode step) only as the same object."""
     if isinstance(a, mx.array) or isinstance(b, mx.array):
         return a is b
     return a == b
@@ -488,7 +489,7 @@ class SharedView:
         check_query(read, "q", q)
         scale = check_scale(read, scale)
         last = self.donor._last
-        if last is None or not _same_offset(last.offset, self.donor.offset):
+        if last is None or not same_offset(last.offset, self.donor.offset):
             raise ValueError(f"{read}: the donor cache has no read in this forward to share")
         if last.read != read or not 1 <= q.shape[2] <= last.length:
             raise ValueError(

@@ -1,12 +1,12 @@
 """The decode step of a text graph compiled whole: one ``mx.compile`` over every layer, every token.
 
-A decode step is ~1,700 small MLX ops built through Python each token; compiled, the trace is
-replayed (element-wise chains fused, no Python per op). One trace stays valid for every token
-because nothing position-dependent is a Python int inside it: the caches' write rows, read starts
-and the RoPE offset are arrays (``cache.positioned``), and what does change a trace (buffer shapes,
-which layers mask, a switch to quantized KV storage) is part of its key, so each new shape is traced
-once and reused. It applies from outside the graph (the graph's own ``__call__`` runs on stand-in
-caches), where every layer's cache is a plain owning cache holding positions, or a KV-shared view
+A decode step is ~2,150 small MLX graph nodes (the 270M's) built through Python each token;
+compiled, the trace is replayed (element-wise chains fused, no Python per op). One trace stays
+valid for every token because nothing position-dependent is a Python int inside it: the caches'
+write rows, read starts and the RoPE offset are arrays (``cache.positioned``), and what does
+change a trace (buffer shapes, which layers mask, a switch to quantized KV storage) is part of its
+key, so each new shape is traced once and reused. It applies from outside the graph (the graph's
+own ``__call__`` runs on stand-in caches), where every layer's cache is a plain owning cache holding positions, or a KV-shared view
 of one; anything else (ragged batches, an empty cache) is the plain step's, and so is a graph with
 a module that says ``traceable = False`` (one that evaluates arrays inside its forward, as a
 pipeline stage does to order its collectives). The weights are constants of the trace, so a step

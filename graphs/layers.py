@@ -15,7 +15,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from cache import Read, check_caches, cpu_math
+from cache import Read, check_caches, cpu_math, same_offset
 
 from .speedups import cpu_streams, few_rows, norm_rope
 
@@ -127,12 +127,7 @@ class RoPE(nn.Module):
         return self._cos, self._sin
 
     def _same_positions(self, offset, length: int) -> bool:
-        if self._table_key is None or self._table_key[1] != length:
-            return False
-        kept = self._table_key[0]
-        if isinstance(kept, mx.array) or isinstance(offset, mx.array):
-            return kept is offset
-        return kept == offset
+        return self._table_key is not None and self._table_key[1] == length and same_offset(self._table_key[0], offset)
 
 
 def float_dtype(module: nn.Module) -> mx.Dtype:

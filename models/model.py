@@ -55,8 +55,8 @@ class Model(MediaMixin):
         # The per-image budget when a call gives none; None: the checkpoint's image processor setting
         # (processor_config.json / preprocessor_config.json), transformers' default 280 when absent.
         self.max_soft_tokens: int | None = None
-        # One position through the whole graph compiled once (None where it does not apply:
-        # graphs.decode_step); GEMMA_ZOO_COMPILE_STEP=0 keeps the plain step.
+        # One position through the whole graph compiled once (the step returns None where it does not
+        # apply: graphs.decode_step); GEMMA_ZOO_COMPILE_STEP=0 keeps the plain step.
         self.decode_step = CompiledDecode(graph)
 
     # ------------------------------------------------------------------------------ forward
