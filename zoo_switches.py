@@ -113,6 +113,10 @@ SWITCHES: dict[str, Switch] = {
             "with GEMMA_ZOO_FAST_MATH on the CPU where the C++ extension is built: a prefill's attention and GeGLU gate as fused float32 kernels on both cores; off: the compiled chains",
         ),
         Switch(
+            "GEMMA_ZOO_DECODE_KERNELS", "bool", True,
+            "with GEMMA_ZOO_FAST_MATH on the CPU where the C++ extension is built: a decode step's norms, query/key/value heads and attention as one kernel node each (kernels/decode.py); off: MLX's ops",
+        ),
+        Switch(
             "GEMMA_ZOO_STREAMS", "bool", True,
             "few-row products (the output head, the decode MLP's gate and up) split across two CPU streams",
         ),

@@ -12,7 +12,8 @@ one head than of all heads together, so the products are larger and there are fe
 70 to 560 soft tokens, and than the all-heads blocks at 1120). A single query (decode) keeps MLX's kernel, which is the faster
 of the two there. Where the zoo's C++ extension is built (``cache.cpu_math.native``), float32
 queries of a chunk go instead through its fused attention: per block of 32 query rows of one head,
-the scores, masked softmax and product with the values on both cores, the blocks above unused.
+the scores, masked softmax and product with the values on both cores, the blocks above unused;
+and a single float32 query through its decode attention (``cache.cpu_math.decode``: one node).
 ``docs/speed.md`` has the measurements.
 """
 
@@ -38,6 +39,11 @@ BLOCK_SCORES_UNMASKED = 1 << 18
 
 def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
     """``softmax(q k^T * scale + mask) v`` with GQA; ``mask`` as ``cache.masks`` builds it."""
+    if q.shape[2] == 1:
+        kernels = cpu_math.decode()
+        rows = _query_mask(mask, q.shape[0])
+        if kernels is not None and rows is not False and q.dtype == keys.dtype == values.dtype == mx.float32:
+            return kernels.attention(q, keys, values, _FIRST_ROW, keys.shape[2], scale, rows)
     if q.shape[2] == 1 or not cpu_math.active():
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     kernels = cpu_math.native()
@@ -62,6 +68,23 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) ->
             rows = None if mask is None else mask[..., start:end, :]
             outs.append(_attend_rows(q[:, :, start:end], keys, values, scale, rows))
     return mx.concatenate(outs, axis=2)
+
+
+_FIRST_ROW = mx.array(0, dtype=mx.int32)
+
+
+def _query_mask(mask, batch: int):
+    """A single query's mask as the decode kernel takes it (None, or bool ``[1 or B, T]``), or False
+    for a form it does not take."""
+    if mask is None or isinstance(mask, str):
+        return None if mask in (None, "causal") else False  # "causal": the one query sees every key
+    if mask.dtype != mx.bool_:
+        return False
+    if mask.ndim == 2 and mask.shape[0] == 1:
+        return mask
+    if mask.ndim == 4 and mask.shape[0] in (1, batch) and mask.shape[1:3] == (1, 1):
+        return mask.reshape(mask.shape[0], mask.shape[3])
+    return False
 
 
 def _attend_unmasked(q: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array:

@@ -68,6 +68,7 @@ class Attended(NamedTuple):
     values: Planes
     mask: object
     geometry: tuple  # (B, Hkv, D, Dv, dtype) of the keys and values attended
+    run: tuple | None = None  # (start, size): keys and values are whole planes, read from row start
 
 
 class AttentionCache:
@@ -507,6 +508,8 @@ class SharedView:
             # Queries for only the newest positions (a KV-shared tail that needs just the last
             # outputs): their rows of the donor's mask. None and MLX's bottom-right "causal" hold as is.
             mask = mask[..., -q.shape[2] :, :]
+        if last.run is not None:
+            return self.donor.codec.attend_run(q, last.keys, last.values, *last.run, scale, mask)
         return self.donor.codec.attend(q, last.keys, last.values, scale, mask)
 
     def decode(self, q, k=None, v=None, *, scale):

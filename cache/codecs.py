@@ -11,12 +11,28 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from . import cpu_math
 from .attention import attend, fold_queries, masked_softmax, unfold_queries
 
 Planes = tuple  # tuple[mx.array, ...], position axis -2
 
 
-class Dense:
+def run_of(planes: Planes, start: mx.array, size: int) -> Planes:
+    """Rows ``[start, start + size)`` of each plane, ``start`` a scalar int32 array (a compiled
+    decode step's read: one trace serves every row)."""
+    return tuple(mx.slice(p, start.reshape(1), axes=(2,), slice_size=(*p.shape[:2], size, *p.shape[3:])) for p in planes)
+
+
+class Codec:
+    """What both codecs share: attending a run of stored rows."""
+
+    def attend_run(self, q: mx.array, keys: Planes, values: Planes, start: mx.array, size: int, scale: float,
+                   mask) -> mx.array:
+        """``attend`` over rows ``[start, start + size)`` of the stored planes."""
+        return self.attend(q, run_of(keys, start, size), run_of(values, start, size), scale, mask)
+
+
+class Dense(Codec):
     """Keys and values as they come, attended by ``attention.attend`` (MLX's fused kernel off the CPU)."""
 
     quantized = False
@@ -51,8 +67,17 @@ class Dense:
     def attend(self, q: mx.array, keys: Planes, values: Planes, scale: float, mask) -> mx.array:
         return attend(q, keys[0], values[0], scale, mask)
 
+    def attend_run(self, q: mx.array, keys: Planes, values: Planes, start: mx.array, size: int, scale: float,
+                   mask) -> mx.array:
+        """One float32 query per row on the CPU: the decode kernel reads the run in place (no slice
+        of the planes); anything else slices the run and attends it."""
+        kernels = cpu_math.decode()
+        if kernels is not None and q.shape[2] == 1 and q.dtype == keys[0].dtype == values[0].dtype == mx.float32:
+            return kernels.attention(q, keys[0], values[0], start, size, scale, mask)
+        return super().attend_run(q, keys, values, start, size, scale, mask)
 
-class Quantized:
+
+class Quantized(Codec):
     """MLX affine quantization along the head dim (``mx.quantize``), attended without ever
     dequantizing the stored history: two ``mx.quantized_matmul`` products around an fp32 softmax.
 

@@ -16,7 +16,8 @@ them off on the CPU too. Without a C++ compiler MLX runs the same chains unfused
 
 Where the zoo's C++ extension is built, a prefill's attention, GeGLU gate, RoPE and RMSNorm run
 instead as kernels on both cores with the same arithmetic (``install``; ``GEMMA_ZOO_PREFILL_KERNELS=0``
-keeps the chains and ``mx.fast.rms_norm``).
+keeps the chains and ``mx.fast.rms_norm``), and a decode step's norms, attention heads and
+attention as one graph node each (``GEMMA_ZOO_DECODE_KERNELS=0`` keeps MLX's ops).
 """
 
 from __future__ import annotations
@@ -45,21 +46,36 @@ def active() -> bool:
 # a C++ extension). ``cache`` imports nothing of the project, so the models layer, which may import
 # ``kernels``, installs them here when the extension is built (``models/cpu_kernels.py``).
 _native = None
+_decode = None
 
 
-def install(native) -> None:
+def install(native, decode=None) -> None:
     """Use ``native`` for float32 prefill work on the CPU: a module or object with ``on()`` (whether
     it runs now: on the CPU, ``GEMMA_ZOO_FAST_MATH`` and ``GEMMA_ZOO_PREFILL_KERNELS`` on),
     ``takes(q, keys, values, mask)``, ``attention(q, keys, values, scale, mask)``,
-    ``gelu_gated(up, gate)``, ``rotate(x, cos, sin)`` and ``rms_norm(x, weight, eps)``
-    (``kernels.prefill``); ``None`` removes it."""
-    global _native
-    _native = native
+    ``gelu_gated(up, gate)``, ``rotate(x, cos, sin)`` and ``rms_norm(x, weight, eps, shift,
+    residual)`` (``kernels.prefill``); and ``decode`` for a decode step's work: ``on()``,
+    ``heads(...)`` and ``attention(q, keys, values, start, size, scale, mask)`` (``kernels.decode``,
+    whose norms are ``native``'s). ``None`` removes them."""
+    global _native, _decode
+    _native, _decode = native, decode
 
 
 def native():
-    """The installed kernels when they run now, else None."""
+    """The installed prefill kernels when they run now, else None."""
     return _native if _native is not None and _native.on() else None
+
+
+def decode():
+    """The installed decode kernels when they run now, else None."""
+    return _decode if _decode is not None and _native is not None and _decode.on() else None
+
+
+def _kernels_for(x: mx.array):
+    """The installed kernels that take ``x``'s rows now: a prefill's (``[B, L, ...]`` or ``[B, heads,
+    L, D]`` with L > 1) while ``native()`` runs, a decode step's while ``decode()`` runs; else None."""
+    positions = x.ndim > 1 and x.shape[-2] > 1
+    return native() if positions else (_native if decode() is not None else None)
 
 
 # ---------------------------------------------------------------------------------------- exp
@@ -159,13 +175,13 @@ def tanh(x: mx.array) -> mx.array:
 def gelu_gated(up: mx.array, gate: mx.array) -> mx.array:
     """GeGLU's gating ``gelu(gate) * up`` with the tanh GELU (transformers' ``gelu_pytorch_tanh``);
     on the CPU the GELU is computed in float32 and rounded once to ``gate``'s dtype, as torch does.
-    Float32 rows of a prefill take the installed kernel (both cores); decode steps the compiled chain."""
+    Float32 rows of a prefill take the installed kernel (both cores), and of a decode step too with
+    the decode kernels on (one graph node); else the compiled chain."""
     if not active():
         return nn.gelu_approx(gate) * up
-    kernels = native()
-    prefill = up.ndim > 1 and up.shape[-2] > 1  # [B, L, I] with L > 1
-    if kernels is not None and prefill and up.dtype == gate.dtype == mx.float32 and up.shape == gate.shape:
-        return kernels.gelu_gated(up, gate)
+    runs = _kernels_for(up)
+    if runs is not None and up.dtype == gate.dtype == mx.float32 and up.shape == gate.shape:
+        return runs.gelu_gated(up, gate)
     return _gelu_gated(up, gate)
 
 
@@ -194,12 +210,17 @@ def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
 
 
 # ---------------------------------------------------------------------------------------- RMSNorm
-def rms_norm(x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
-    """``x * (mean(x²) + eps)^-1/2 * weight`` over the last axis, computed in float32 (``weight`` in
-    float32, or None) and rounded once to ``x``'s dtype, as Gemma's norms are: ``mx.fast.rms_norm``;
-    float32 rows of a prefill through the installed kernel (both cores)."""
-    kernels = native()
-    positions = x.ndim > 1 and x.shape[-2] > 1  # [B, L, H] or [B, heads, L, D]: L > 1, not a decode step
-    if kernels is not None and positions and x.dtype == mx.float32 and (weight is None or weight.dtype == mx.float32):
-        return kernels.rms_norm(x, weight, eps)
-    return mx.fast.rms_norm(x.astype(mx.float32), weight, eps).astype(x.dtype)
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float, shift: float = 0.0, residual: mx.array | None = None) -> mx.array:
+    """``residual + x * (mean(x²) + eps)^-1/2 * (weight + shift)`` over the last axis (``shift`` 1 for
+    Gemma 2/3's ``1 + weight``; ``residual`` None or an array of x's shape), the norm computed in
+    float32 (``weight`` in float32, or None) and rounded once to ``x``'s dtype, as Gemma's norms
+    are: ``mx.fast.rms_norm``; float32 rows of a prefill, and of a decode step with the decode
+    kernels on, through the installed kernel (one graph node with its shift and residual)."""
+    runs = _kernels_for(x)
+    float32 = all(a is None or a.dtype == mx.float32 for a in (x, weight, residual))
+    if runs is not None and float32:
+        return runs.rms_norm(x, weight, eps, shift, residual)
+    if weight is not None and shift:
+        weight = weight + shift
+    y = mx.fast.rms_norm(x.astype(mx.float32), weight, eps).astype(x.dtype)
+    return y if residual is None else residual + y

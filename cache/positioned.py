@@ -56,12 +56,10 @@ class PositionedCache(AttentionCache):
         row = self._write_row.reshape(1)
         self.keys = tuple(mx.slice_update(p, x, row, axes=(2,)) for p, x in zip(self.keys, self.codec.pack(k)))
         self.values = tuple(mx.slice_update(p, x, row, axes=(2,)) for p, x in zip(self.values, self.codec.pack(v)))
-        start = self._start.reshape(1)
-        keys = tuple(mx.slice(p, start, axes=(2,), slice_size=_run_shape(p, self._size)) for p in self.keys)
-        values = tuple(mx.slice(p, start, axes=(2,), slice_size=_run_shape(p, self._size)) for p in self.values)
         mask = masks.decode_run(self._start, self._size, self._write_row) if self._masked else None
-        self._last = Attended("decode", 1, self.offset, keys, values, mask, _geometry(k, v))
-        return self.codec.attend(q, keys, values, scale, mask)
+        run = (self._start, self._size)
+        self._last = Attended("decode", 1, self.offset, self.keys, self.values, mask, _geometry(k, v), run)
+        return self.codec.attend_run(q, self.keys, self.values, *run, scale, mask)
 
     def _refuse(self, read: str, *args, **kwargs):
         raise ValueError(f"{read}: a compiled decode step makes only decode reads (one position per row)")
@@ -76,8 +74,3 @@ class PositionedCache(AttentionCache):
     def can_trim(self, n: int) -> bool:
         return False
 
-
-def _run_shape(plane: mx.array, size: int) -> tuple:
-    """``mx.slice``'s size: the whole plane but ``size`` rows along the position axis."""
-    B, H, _, D = plane.shape
-    return (B, H, size, D)

@@ -1,16 +1,17 @@
 """The decode step of a text graph compiled whole: one ``mx.compile`` over every layer, every token.
 
-A decode step is ~2,150 small MLX graph nodes (the 270M's) built through Python each token;
-compiled, the trace is replayed (element-wise chains fused, no Python per op). One trace stays
-valid for every token because nothing position-dependent is a Python int inside it: the caches'
-write rows, read starts and the RoPE offset are arrays (``cache.positioned``), and what does
-change a trace (buffer shapes, which layers mask, a switch to quantized KV storage) is part of its
-key, so each new shape is traced once and reused. It applies from outside the graph (the graph's
-own ``__call__`` runs on stand-in caches), where every layer's cache is a plain owning cache holding positions, or a KV-shared view
-of one; anything else (ragged batches, an empty cache) is the plain step's, and so is a graph with
-a module that says ``traceable = False`` (one that evaluates arrays inside its forward, as a
-pipeline stage does to order its collectives). The weights are constants of the trace, so a step
-that finds a weight replaced traces anew.
+A decode step is ~2,150 small MLX graph nodes (the 270M's; ~350 with the decode kernels of
+``kernels.decode``) built through Python each token; compiled, the trace is replayed (element-wise
+chains fused, no Python per op). One trace stays valid for every token because nothing
+position-dependent is a Python int inside it: the caches' write rows, read starts and the RoPE
+offset are arrays (``cache.positioned``), and what does change a trace (buffer shapes, which
+layers mask, a switch to quantized KV storage, which CPU kernels the switches turn on) is part of
+its key, so each is traced once and reused. It applies from outside the graph (the graph's own
+``__call__`` runs on stand-in caches), where every layer's cache is a plain owning cache holding
+positions, or a KV-shared view of one; anything else (ragged batches, an empty cache) is the plain
+step's, and so is a graph with a module that says ``traceable = False`` (one that evaluates arrays
+inside its forward, as a pipeline stage does to order its collectives). The weights are constants
+of the trace, so a step that finds a weight replaced traces anew.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import operator
 import mlx.core as mx
 import mlx.nn as nn
 
-from cache import KINDS, CacheSpec, SharedView
+from cache import KINDS, CacheSpec, SharedView, cpu_math
 from cache.codecs import Dense, Quantized
 from cache.positioned import PositionedCache
 
@@ -64,7 +65,8 @@ class CompiledDecode:
             layout.append(("own", owner.kind, owner.sliding_window, bits, group, run.size, run.masked, where))
         planes = [(run.keys, run.values) for run in runs]
         offset = mx.array(owners[0].offset, dtype=mx.int32)
-        logits, written = self._compiled(ids, offset, mx.array(positions, dtype=mx.int32), planes, tuple(layout))
+        kernels = (cpu_math.active(), cpu_math.native() is not None, cpu_math.decode() is not None)  # switches a trace bakes in
+        logits, written = self._compiled(ids, offset, mx.array(positions, dtype=mx.int32), planes, tuple(layout), kernels)
         for owner, (keys, values) in zip(owners, written):
             owner.commit_decode(keys, values)
         return logits
@@ -73,8 +75,9 @@ class CompiledDecode:
         modules, names, values = self._weights
         return all(map(operator.is_, map(dict.get, modules, names), values))
 
-    def _step(self, ids, offset, positions, planes, layout):
-        """The traced function: stand-in caches around the planes, the graph's forward on them."""
+    def _step(self, ids, offset, positions, planes, layout, kernels):
+        """The traced function: stand-in caches around the planes, the graph's forward on them
+        (``kernels``: which CPU kernels ran when it was traced, so a change of switch traces anew)."""
         caches, stand_ins = [], []
         owned = iter(planes)
         for entry in layout:

@@ -35,9 +35,9 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
         self.weight = mx.zeros((dims,))
 
-    def __call__(self, x: mx.array) -> mx.array:
-        scale = 1.0 + self.weight.astype(mx.float32)
-        return cpu_math.rms_norm(x, scale, self.eps)
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """The norm of ``x``, added to ``residual`` when given (one kernel node on the CPU)."""
+        return cpu_math.rms_norm(x, self.weight.astype(mx.float32), self.eps, shift=1.0, residual=residual)
 
 
 def shared_rope(head_dim: int, params: Mapping[str, Any]) -> RoPE:
@@ -74,8 +74,8 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(H, eps)
 
     def __call__(self, x: mx.array, cache, offset: int, read: Read) -> mx.array:
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache, offset, read))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cache, offset, read), residual=x)
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)), residual=h)
 
 
 class Gemma3TextModel(VocabularyHead, CheckedCaches, nn.Module):

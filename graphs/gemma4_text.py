@@ -57,17 +57,17 @@ class DecoderLayer(nn.Module):
 
     def __call__(self, x, per_layer_input, cache, offset: int, read: Read) -> mx.array:
         attended = self.self_attn(self.input_layernorm(x), cache, offset, read)
-        h = x + self.post_attention_layernorm(attended)
+        h = self.post_attention_layernorm(attended, residual=x)
         ff = self.mlp(self.pre_feedforward_layernorm(h))
         if self.has_moe:
             # The router and the experts read the post-attention residual, not the dense MLP's input.
             weights, indices = self.router(h)
             routed = self.experts(self.pre_feedforward_layernorm_2(h), indices, weights)
             ff = self.post_feedforward_layernorm_1(ff) + self.post_feedforward_layernorm_2(routed)
-        h = h + self.post_feedforward_layernorm(ff)
+        h = self.post_feedforward_layernorm(ff, residual=h)
         if self.has_per_layer_input:
             gated = gelu_gated(per_layer_input, self.per_layer_input_gate(h))
-            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+            h = self.post_per_layer_input_norm(self.per_layer_projection(gated), residual=h)
         return h * self.scalar(read)
 
     def scalar(self, read: Read) -> mx.array:

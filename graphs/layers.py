@@ -44,11 +44,12 @@ class RMSNorm(nn.Module):
         if with_weight:
             self.weight = mx.ones((dims,))
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """The norm of ``x``, added to ``residual`` when given (one kernel node on the CPU)."""
         weight = self.get("weight")
         if weight is not None:
             weight = weight.astype(mx.float32)
-        return cpu_math.rms_norm(x, weight, self.eps)  # mx.fast.rms_norm; a prefill's rows on both CPU cores
+        return cpu_math.rms_norm(x, weight, self.eps, residual=residual)  # mx.fast.rms_norm off the CPU
 
 
 class RoPE(nn.Module):
@@ -198,10 +199,15 @@ class FusedProducts:
         mx.eval([p.parameters() for p in parts])
         return cls(module, parts)
 
-    def __call__(self, x: mx.array) -> list[mx.array] | None:
+    def joined(self, x: mx.array) -> mx.array | None:
+        """The parts' outputs side by side in one array, or None (see the class)."""
         if any(part.get("weight") is not w for part, w in zip(self.parts, self.weights)):
             return None
-        return mx.split(self.module(x), self.splits, axis=-1)
+        return self.module(x)
+
+    def __call__(self, x: mx.array) -> list[mx.array] | None:
+        y = self.joined(x)
+        return None if y is None else mx.split(y, self.splits, axis=-1)
 
 
 class GeGLUMLP(nn.Module):
@@ -286,20 +292,48 @@ class SelfAttention(nn.Module):
 
     def __call__(self, x: mx.array, cache, offset: int | tuple[int, ...], read: Read) -> mx.array:
         B, L, _ = x.shape
+        heads = self._decode_heads(x, offset) if L == 1 else None
+        out = read(cache, *(heads or self._normed_heads(x, offset)), scale=self.scale)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+    def _normed_heads(self, x: mx.array, offset) -> list[mx.array]:
+        """``[q]`` (a layer without its own keys) or ``[q, k, v]``, ``[B, heads, L, D]``, normed and rotated."""
         projected = self.fused(x) if self.fused is not None else None
         raw_q = projected[0] if projected is not None else self.q_proj(x)
         q = norm_rope(self._heads(raw_q, self.num_heads), self.q_norm, self.rope, offset, self.plus_one)
         if not self.owns_kv:
-            out = read(cache, q, scale=self.scale)
+            return [q]
+        raw_k = projected[1] if projected is not None else self.k_proj(x)
+        raw_v = (projected[-1] if projected is not None else self.v_proj(x)) if "v_proj" in self else raw_k
+        k = norm_rope(self._heads(raw_k, self.num_kv_heads), self.k_norm, self.rope, offset, self.plus_one)
+        v = self._heads(raw_v, self.num_kv_heads)
+        if "v_norm" in self:
+            v = self.v_norm(v)
+        return [q, k, v]
+
+    def _decode_heads(self, x: mx.array, offset) -> list[mx.array] | None:
+        """``_normed_heads`` of one float32 position per row as one kernel node (``cache.cpu_math.decode``),
+        or None where it does not run (then the plain path does: same numbers up to summation order)."""
+        kernels = cpu_math.decode()
+        norms = [self.q_norm] + ([self.k_norm] + ([self.v_norm] if "v_norm" in self else []) if self.owns_kv else [])
+        plain_v = "v_norm" not in self or "weight" not in self.v_norm  # the kernel's value norm has no weight
+        one_eps = len({getattr(n, "eps", None) for n in norms} | {getattr(self.q_norm, "eps", None)} - {None}) == 1
+        if kernels is None or x.dtype != mx.float32 or isinstance(offset, tuple) or not plain_v or not one_eps:
+            return None
+        if self.fused is not None:
+            projected = self.fused.joined(x)
+            if projected is None:
+                return None
+        elif self.owns_kv:
+            projected = mx.concatenate([layer(x) for layer in self.fusable()], axis=-1)
         else:
-            raw_k = projected[1] if projected is not None else self.k_proj(x)
-            raw_v = (projected[-1] if projected is not None else self.v_proj(x)) if "v_proj" in self else raw_k
-            k = norm_rope(self._heads(raw_k, self.num_kv_heads), self.k_norm, self.rope, offset, self.plus_one)
-            v = self._heads(raw_v, self.num_kv_heads)
-            if "v_norm" in self:
-                v = self.v_norm(v)
-            out = read(cache, q, k, v, scale=self.scale)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+            projected = self.q_proj(x)
+        weights = [n.get("weight") for n in norms[:2]] + [None] * (2 - min(len(norms), 2))
+        weights = [None if w is None else w.astype(mx.float32) for w in weights]
+        return kernels.heads(
+            projected, self.num_heads, self.num_kv_heads if self.owns_kv else 0, "v_proj" in self, self.head_dim,
+            *weights, 1.0 if self.plus_one else 0.0, self.q_norm.eps, "v_norm" in self, *self.rope.tables(offset, 1),
+        )  # fmt: skip
 
     def _heads(self, projected: mx.array, num_heads: int) -> mx.array:
         """``[B, L, heads * D] -> [B, heads, L, D]``."""

@@ -87,9 +87,11 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask,
     return _module().prefill_attention(q, keys, values, float(scale), None if causal else mask, causal, isa or "")
 
 
-def rms_norm(x: mx.array, weight: mx.array | None, eps: float, isa: str | None = None) -> mx.array:
-    """``x * (mean(x²) + eps)^-1/2 * weight`` over the last axis, float32 (``weight [D]`` or None)."""
-    return _module().rms_norm(x, weight, float(eps), isa or "")
+def rms_norm(x: mx.array, weight: mx.array | None, eps: float, shift: float = 0.0, residual: mx.array | None = None,
+             isa: str | None = None) -> mx.array:
+    """``residual + x * (mean(x²) + eps)^-1/2 * (weight + shift)`` over the last axis, float32
+    (``weight [D]`` or None; ``shift`` 1 for Gemma 2/3's ``1 + weight``; ``residual`` None or x's shape)."""
+    return _module().rms_norm(x, weight, float(eps), float(shift), residual, isa or "")
 
 
 def rotate(x: mx.array, cos: mx.array, sin: mx.array, isa: str | None = None) -> mx.array:

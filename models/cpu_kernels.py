@@ -1,8 +1,9 @@
 """The C++ extension's prefill kernels (``kernels.prefill``) in the zoo's graphs.
 
 - ``install()``: ``cache`` imports nothing of the project, so it cannot reach the extension itself;
-  ``models`` may import both, and installs the attention, GeGLU gate, RoPE and RMSNorm kernels
-  into ``cache.cpu_math`` once, when the package is imported, before any graph runs.
+  ``models`` may import both, and installs the attention, GeGLU gate, RoPE and RMSNorm kernels and
+  the decode kernels (``kernels.decode``) into ``cache.cpu_math`` once, when the package is
+  imported, before any graph runs.
 - ``apply(graph)``: a loaded graph's float32 ``nn.Linear`` layers (not the output head) become
   ``kernels.prefill.Linear``: the same parameters, whose products of many rows (a prefill's
   projections) take the extension's GEMM (``models.precision.prepare`` calls it).
@@ -19,12 +20,12 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from cache import cpu_math
 from graphs.speedups import VocabularyHead
-from kernels import prefill
+from kernels import decode, prefill
 
 
 def install() -> None:
-    """Put ``kernels.prefill`` under ``cache.cpu_math`` when the extension runs here."""
-    cpu_math.install(prefill if prefill.available() else None)
+    """Put ``kernels.prefill`` and ``kernels.decode`` under ``cache.cpu_math`` when the extension runs here."""
+    cpu_math.install(*((prefill, decode) if prefill.available() else (None, None)))
 
 
 def apply(graph: nn.Module) -> list[str]:

@@ -27,7 +27,7 @@ def fresh_cache():
 
 def test_the_table_has_every_switch_once():
     assert list(zs.SWITCHES) == [
-        "GEMMA_ZOO_BLAS", "GEMMA_ZOO_FAST_MATH", "GEMMA_ZOO_PREFILL_KERNELS",
+        "GEMMA_ZOO_BLAS", "GEMMA_ZOO_FAST_MATH", "GEMMA_ZOO_PREFILL_KERNELS", "GEMMA_ZOO_DECODE_KERNELS",
         "GEMMA_ZOO_STREAMS", "GEMMA_ZOO_COMPILE", "GEMMA_ZOO_COMPILE_STEP",
         "GEMMA_ZOO_CPU_QUANT",
         "GEMMA_ZOO_ASSETS",

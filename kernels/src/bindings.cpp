@@ -8,6 +8,7 @@
 
 #include "packed.h"
 #include "prefill.h"
+#include "decode.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -24,12 +25,20 @@ NB_MODULE(_packed, m) {
         "softmax(q k^T * scale + mask) v in float32, fused and split over the threads (a prefill chunk's queries)");
   m.def("prefill_linear", &zoo::prefill_linear, "x"_a, "w"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "x [..., K] @ w[N, K]^T in float32, split over the threads (an nn.Linear's product for many rows)");
-  m.def("rms_norm", &zoo::rms_norm, "x"_a, "weight"_a = nb::none(), "eps"_a = 1e-6f, "isa"_a = "", nb::kw_only(),
-        "stream"_a = nb::none(), "x * (mean(x^2) + eps)^-1/2 * weight over the last axis in float32, split over the threads");
+  m.def("rms_norm", &zoo::rms_norm, "x"_a, "weight"_a = nb::none(), "eps"_a = 1e-6f, "shift"_a = 0.0f,
+        "residual"_a = nb::none(), "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
+        "residual + x * (mean(x^2) + eps)^-1/2 * (weight + shift) over the last axis in float32, split over the threads");
   m.def("rope_rotate", &zoo::rope_rotate, "x"_a, "cos"_a, "sin"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "RoPE by tables (x cos + rotate_half(x) sin) in float32, split over the threads");
   m.def("gelu_gate", &zoo::gelu_gate, "up"_a, "gate"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "gelu_tanh(gate) * up in float32, split over the threads");
+  m.def("decode_heads", &zoo::decode_heads, "projected"_a, "heads"_a, "kv_heads"_a, "has_v"_a, "head_dim"_a,
+        "q_weight"_a = nb::none(), "k_weight"_a = nb::none(), "shift"_a = 0.0f, "eps"_a = 1e-6f, "v_norm"_a = false,
+        "cos"_a, "sin"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
+        "a decode step's projected [B, 1, N] as normed, rotated query heads (and key and value heads), float32");
+  m.def("decode_attention", &zoo::decode_attention, "q"_a, "keys"_a, "values"_a, "start"_a, "size"_a, "scale"_a,
+        "mask"_a = nb::none(), "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
+        "one query per row against rows [start, start + size) of the key and value planes, read in place, float32");
   m.def("available_isas", &zoo::available_isas, "instruction sets this CPU and build run, widest first");
   m.def("threads", &zoo::threads, "threads the products split their rows over");
   m.def("set_threads", &zoo::set_threads, "n"_a, "split products over at most n threads (1 to the CPUs available)");

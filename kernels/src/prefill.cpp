@@ -15,24 +15,11 @@
 
 namespace zoo {
 
-namespace {
-
-struct Kernels {
-  void (*pack_keys)(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
-  int (*key_block)();
-  void (*attention_block)(const AttentionArgs&, int64_t, int64_t, int64_t, int64_t, const float*, float*);
-  void (*gelu_gate)(const float*, const float*, int64_t, int64_t, float*);
-  void (*linear_rows)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
-  void (*rms_norm_rows)(const float*, const float*, int64_t, float, int64_t, int64_t, float*);
-  void (*rotate_rows)(const float*, const int64_t*, int64_t, int64_t, int64_t, const float*, const float*, int64_t,
-                      int64_t, int64_t, float*);
-};
-
 #define ZOO_KERNELS_OF(ns)                                                                                  \
   Kernels{ns::pack_keys, ns::key_block, ns::attention_block, ns::gelu_gate, ns::linear_rows, ns::rms_norm_rows, \
-          ns::rotate_rows}
+          ns::rotate_rows, ns::decode_attention_part}
 
-Kernels kernels_for(Isa isa) {
+Kernels vector_kernels(Isa isa) {
 #if defined(__x86_64__) && defined(ZOO_X86_KERNELS)
   if (isa == Isa::avx512) return ZOO_KERNELS_OF(prefill_avx512);
   if (isa == Isa::avx2) return ZOO_KERNELS_OF(prefill_avx2);
@@ -83,6 +70,17 @@ const float* rows_of(const mx::array& a, int64_t stride[3], std::vector<float>& 
   return copy.data();
 }
 
+// The output allocated and the encoder of the primitive's stream told what it reads and writes.
+mx::cpu::CommandEncoder& output_encoder(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  encoder.set_output_array(out);
+  return encoder;
+}
+
+namespace {
+
 // Packed panels for one call, kept by the evaluating thread for the next call up to kKeepFloats:
 // a prefill makes a few such buffers a layer, and a fresh multi-megabyte allocation is handed back
 // to the kernel on free and page-faulted in again on every call.
@@ -100,15 +98,6 @@ struct Panels {
     return temporary.data();
   }
 };
-
-// The output allocated and the encoder of the primitive's stream told what it reads and writes.
-mx::cpu::CommandEncoder& output_encoder(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  auto& encoder = mx::cpu::get_command_encoder(stream);
-  for (const auto& a : inputs) encoder.set_input_array(a);
-  encoder.set_output_array(out);
-  return encoder;
-}
 
 struct PackJob {
   const AttentionArgs* a;
@@ -157,7 +146,7 @@ void attend_chunk(void* ctx, int chunk) {
 }
 
 void run_attention(AttentionArgs a, Isa isa) {
-  const Kernels kn = kernels_for(isa);
+  const Kernels kn = vector_kernels(isa);
   const int64_t nb = kn.key_block();
   const int64_t panels_per_head = (a.T + nb - 1) / nb;
   const int64_t head_floats = panels_per_head * nb * a.D;
@@ -201,6 +190,7 @@ struct NormJob {
   Kernels kn;
   const float* x;
   const float* w;
+  const float* residual;  // added to the normed rows, or null
   float* y;
   int64_t rows, D;
   float eps;
@@ -209,7 +199,10 @@ struct NormJob {
 
 void norm_chunk(void* ctx, int chunk) {
   const auto& j = *static_cast<const NormJob*>(ctx);
-  j.kn.rms_norm_rows(j.x, j.w, j.D, j.eps, j.rows * chunk / j.chunks, j.rows * (chunk + 1) / j.chunks, j.y);
+  const int64_t r0 = j.rows * chunk / j.chunks, r1 = j.rows * (chunk + 1) / j.chunks;
+  j.kn.rms_norm_rows(j.x, j.w, j.D, j.eps, r0, r1, j.y);
+  if (j.residual)
+    for (int64_t i = r0 * j.D; i < r1 * j.D; ++i) j.y[i] += j.residual[i];
 }
 
 struct RotateJob {
@@ -307,8 +300,7 @@ mx::array gelu_gate(const mx::array& up, const mx::array& gate, const std::strin
   auto stream = cpu_only(op, s);
   check_float32(op, {{"up", &up}, {"gate", &gate}});
   if (up.shape() != gate.shape()) fail(op, "up " + shape_of(up) + " and gate " + shape_of(gate) + " must have one shape");
-  return mx::array(up.shape(), mx::float32, std::make_shared<GeluGate>(stream, parse_isa(isa)),
-                   {mx::contiguous(up, false, stream), mx::contiguous(gate, false, stream)});
+  return mx::array(up.shape(), mx::float32, std::make_shared<GeluGate>(stream, parse_isa(isa)), {up, gate});
 }
 
 mx::array prefill_linear(const mx::array& x, const mx::array& w, const std::string& isa, mx::StreamOrDevice s) {
@@ -323,21 +315,29 @@ mx::array prefill_linear(const mx::array& x, const mx::array& w, const std::stri
                    {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream)});
 }
 
-mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight, float eps, const std::string& isa,
-                   mx::StreamOrDevice s) {
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight, float eps, float shift,
+                   const std::optional<mx::array>& residual, const std::string& isa, mx::StreamOrDevice s) {
   const char* op = "rms_norm";
   auto stream = cpu_only(op, s);
   check_float32(op, {{"x", &x}});
   if (x.ndim() < 1) fail(op, "x must have at least one axis, got a scalar");
-  std::vector<mx::array> inputs{mx::contiguous(x, false, stream)};
+  std::vector<mx::array> inputs{x};
   if (weight) {
     check_float32(op, {{"weight", &*weight}});
     if (weight->ndim() != 1 || weight->shape(0) != x.shape(-1))
       fail(op, "weight must be [D] with D=" + std::to_string(x.shape(-1)) + " (x's last axis), got " + shape_of(*weight));
-    inputs.push_back(mx::contiguous(*weight, false, stream));
+    inputs.push_back(*weight);
+  } else if (shift != 0.0f) {
+    fail(op, "shift applies to a weight; there is none");
+  }
+  if (residual) {
+    check_float32(op, {{"residual", &*residual}});
+    if (residual->shape() != x.shape()) fail(op, "residual " + shape_of(*residual) + " must have x's shape " + shape_of(x));
+    inputs.push_back(*residual);
   }
   if (!(eps >= 0.0f)) fail(op, "eps must be >= 0, got " + std::to_string(eps));
-  auto primitive = std::make_shared<RmsNorm>(stream, parse_isa(isa), std::vector<float>{eps, weight ? 1.0f : 0.0f});
+  auto primitive = std::make_shared<RmsNorm>(
+      stream, parse_isa(isa), std::vector<float>{eps, weight ? 1.0f : 0.0f, shift, residual ? 1.0f : 0.0f});
   return mx::array(x.shape(), mx::float32, std::move(primitive), std::move(inputs));
 }
 
@@ -391,9 +391,12 @@ void GeluGate::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   const int64_t n = out.size();
   const int64_t wanted = n / kGeluChunk;
   const int chunks = static_cast<int>(wanted < 1 ? 1 : (wanted > 8 ? 8 : wanted));
-  encoder.dispatch([job = GeluJob{kernels_for(isa_), inputs[0].data<float>(), inputs[1].data<float>(),
-                                  out.data<float>(), n, chunks}]() mutable {
-    if (job.n) parallel_chunks(job.chunks, gelu_chunk, &job);
+  encoder.dispatch([inputs, job = GeluJob{vector_kernels(isa_), nullptr, nullptr, out.data<float>(), n, chunks}]() mutable {
+    if (job.n == 0) return;
+    std::vector<float> up, gate;
+    job.up = dense(inputs[0], up);
+    job.gate = dense(inputs[1], gate);
+    parallel_chunks(job.chunks, gelu_chunk, &job);
   });
 }
 
@@ -402,7 +405,7 @@ void PrefillLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& ou
   const auto& w = inputs[1];
   const int64_t K = w.shape(1), N = w.shape(0);
   const int64_t M = N > 0 ? static_cast<int64_t>(out.size()) / N : 0;
-  encoder.dispatch([job = LinearJob{kernels_for(isa_), inputs[0].data<float>(), w.data<float>(), nullptr,
+  encoder.dispatch([job = LinearJob{vector_kernels(isa_), inputs[0].data<float>(), w.data<float>(), nullptr,
                                     out.data<float>(), M, K, N, 0}]() {
     if (job.M == 0 || job.N == 0) return;
     if (job.K == 0) {
@@ -416,11 +419,21 @@ void PrefillLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& ou
 void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& encoder = output_encoder(stream(), inputs, out);
   const int64_t D = out.shape(-1), rows = D > 0 ? static_cast<int64_t>(out.size()) / D : 0;
-  encoder.dispatch([job = NormJob{kernels_for(isa_), inputs[0].data<float>(),
-                                  settings_[1] != 0.0f ? inputs[1].data<float>() : nullptr, out.data<float>(), rows, D,
-                                  settings_[0],
+  const bool weighted = settings_[1] != 0.0f, with_residual = settings_[3] != 0.0f;
+  encoder.dispatch([inputs, weighted, with_residual, shift = settings_[2],
+                    job = NormJob{vector_kernels(isa_), nullptr, nullptr, nullptr, out.data<float>(), rows, D, settings_[0],
                                   row_chunks(rows, D)}]() mutable {
-    if (job.rows) parallel_chunks(job.chunks, norm_chunk, &job);
+    if (job.rows == 0) return;
+    std::vector<float> x, w, residual;
+    job.x = dense(inputs[0], x);
+    if (weighted) job.w = dense(inputs[1], w);
+    if (with_residual) job.residual = dense(inputs.back(), residual);
+    if (job.w && shift != 0.0f) {  // Gemma 2/3's 1 + weight, made once a call
+      if (w.empty()) w.assign(job.w, job.w + job.D);
+      for (auto& v : w) v += shift;
+      job.w = w.data();
+    }
+    parallel_chunks(job.chunks, norm_chunk, &job);
   });
 }
 
@@ -429,7 +442,7 @@ void RopeRotate::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
   const auto& x = inputs[0];
   const auto& cos = inputs[1];
   const int64_t rows = static_cast<int64_t>(out.size()) / (out.shape(3) > 0 ? out.shape(3) : 1);
-  encoder.dispatch([x, job = RotateJob{kernels_for(isa_), nullptr, {0, 0, 0}, cos.data<float>(), inputs[2].data<float>(),
+  encoder.dispatch([x, job = RotateJob{vector_kernels(isa_), nullptr, {0, 0, 0}, cos.data<float>(), inputs[2].data<float>(),
                                        cos.ndim() == 4 ? static_cast<int64_t>(cos.shape(2)) * cos.shape(3) : 0,
                                        out.data<float>(), rows, x.shape(1), x.shape(2), x.shape(3),
                                        row_chunks(rows, x.shape(3))}]() mutable {

@@ -14,10 +14,13 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "mlx/backend/common/utils.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "qmm.h"
@@ -55,7 +58,10 @@ struct AttentionArgs {
                    int64_t ldy);                                                                              \
   void rms_norm_rows(const float* x, const float* w, int64_t D, float eps, int64_t r0, int64_t r1, float* y); \
   void rotate_rows(const float* x, const int64_t x_stride[3], int64_t H, int64_t L, int64_t D, const float* cos, \
-                   const float* sin, int64_t cs_batch, int64_t r0, int64_t r1, float* out);
+                   const float* sin, int64_t cs_batch, int64_t r0, int64_t r1, float* out);                    \
+  void decode_attention_part(const float* q, int64_t G, int64_t D, const float* k, int64_t ldk, const float* v,  \
+                             int64_t ldv, int64_t Dv, int64_t n, const uint8_t* mask, float scale, float* s,      \
+                             float* out, float* top, float* sum);
 
 namespace prefill_portable {
 ZOO_PREFILL_KERNELS
@@ -68,6 +74,45 @@ ZOO_PREFILL_KERNELS
 }
 #undef ZOO_PREFILL_KERNELS
 
+// One instruction set's kernels (the functions above), for the primitives here and in decode.h.
+struct Kernels {
+  void (*pack_keys)(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
+  int (*key_block)();
+  void (*attention_block)(const AttentionArgs&, int64_t, int64_t, int64_t, int64_t, const float*, float*);
+  void (*gelu_gate)(const float*, const float*, int64_t, int64_t, float*);
+  void (*linear_rows)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
+  void (*rms_norm_rows)(const float*, const float*, int64_t, float, int64_t, int64_t, float*);
+  void (*rotate_rows)(const float*, const int64_t*, int64_t, int64_t, int64_t, const float*, const float*, int64_t,
+                      int64_t, int64_t, float*);
+  // One part of a decode query's attention (G query heads of one kv head, n key rows): the scaled,
+  // masked scores, their max (top), e^(s - top) summed (sum) and sum_j e_j v_j (out, unnormalised).
+  void (*decode_attention_part)(const float*, int64_t, int64_t, const float*, int64_t, const float*, int64_t, int64_t,
+                                int64_t, const uint8_t*, float, float*, float*, float*, float*);
+};
+Kernels vector_kernels(Isa isa);
+
+// Shared by the primitives' argument checks and evaluation (prefill.cpp, decode.cpp).
+std::string shape_of(const mx::array& a);
+[[noreturn]] void fail(const std::string& op, const std::string& what);
+mx::Stream cpu_only(const char* op, mx::StreamOrDevice s);
+void check_float32(const char* op, std::initializer_list<std::pair<const char*, const mx::array*>> arrays);
+// A rank-4 float32 array as base pointer and (batch, head, row) strides, its last axis contiguous
+// (copied into ``copy`` when it is not).
+const float* rows_of(const mx::array& a, int64_t stride[3], std::vector<float>& copy);
+// The elements of ``a`` in row-major order: its own buffer when row-contiguous, else a copy made in
+// ``copy`` (called in the evaluation, once the data is there: the ops take their inputs as they
+// come, since a contiguous() node for each would cost a decode step as much as the kernel).
+template <class T>
+const T* dense(const mx::array& a, std::vector<T>& copy) {
+  const T* data = reinterpret_cast<const T*>(a.data<void>());
+  if (a.flags().row_contiguous) return data;
+  copy.resize(a.size());
+  for (size_t i = 0; i < a.size(); ++i) copy[i] = data[mx::elem_to_loc(static_cast<int64_t>(i), a.shape(), a.strides())];
+  return copy.data();
+}
+// The output allocated and the encoder of the primitive's stream told what it reads and writes.
+mx::cpu::CommandEncoder& output_encoder(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out);
+
 // softmax(q k^T * scale + mask) v; q [B, Hq, L, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] float32,
 // Hq a multiple of Hkv, T >= L when causal. mask: none, or bool [L, T] / [B or 1, 1, L, T].
 mx::array prefill_attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
@@ -77,9 +122,10 @@ mx::array prefill_attention(const mx::array& q, const mx::array& k, const mx::ar
 // x [..., K] @ w[N, K]^T in float32 (an nn.Linear's product without its bias).
 mx::array prefill_linear(const mx::array& x, const mx::array& w, const std::string& isa = "", mx::StreamOrDevice s = {});
 
-// x * (mean(x^2) + eps)^-1/2 * weight over the last axis, float32 (weight [D] or none).
-mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight, float eps, const std::string& isa = "",
-                   mx::StreamOrDevice s = {});
+// residual + x * (mean(x^2) + eps)^-1/2 * (weight + shift) over the last axis, float32 (weight [D] or
+// none; shift 1 for Gemma 2/3's ``1 + weight``; residual of x's shape or none).
+mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight, float eps, float shift,
+                   const std::optional<mx::array>& residual, const std::string& isa = "", mx::StreamOrDevice s = {});
 
 // RoPE by tables: x [B, H, L, D] float32, cos and sin [L, D/2] or [B, 1, L, D/2] float32.
 mx::array rope_rotate(const mx::array& x, const mx::array& cos, const mx::array& sin, const std::string& isa = "",
@@ -119,7 +165,7 @@ ZOO_PREFILL_PRIMITIVE(PrefillAttention,
 // output [..., N].
 ZOO_PREFILL_PRIMITIVE(PrefillLinear,
                       std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;)
-ZOO_PREFILL_PRIMITIVE(RmsNorm, )  // settings: eps, weighted (0/1)
+ZOO_PREFILL_PRIMITIVE(RmsNorm, )  // settings: eps, weighted (0/1), shift, with a residual (0/1)
 ZOO_PREFILL_PRIMITIVE(RopeRotate, )
 ZOO_PREFILL_PRIMITIVE(GeluGate, )
 #undef ZOO_PREFILL_PRIMITIVE

@@ -316,3 +316,65 @@ void gelu_gate(const float* up, const float* gate, int64_t i0, int64_t i1, float
     out[i] = 0.5f * g * (1.0f + tanh_rational(inner)) * up[i];
   }
 }
+
+// One part of a decode query's attention: G query rows q [G, D] (the query heads of one kv head)
+// against n key rows (k, ldk apart; v, ldv apart), keys with mask[j] == 0 left out (mask may be
+// null). For each query row g: the scaled scores in s[g * n ..], their max top[g], e^(s - top)
+// summed into sum[g], and out[g * Dv ..] = sum_j e_j v_j, not yet divided by the sum (the parts
+// of one query are merged by the caller). A part whose keys are all masked has top -inf, sum 0.
+void decode_attention_part(const float* q, int64_t G, int64_t D, const float* k, int64_t ldk, const float* v,
+                           int64_t ldv, int64_t Dv, int64_t n, const uint8_t* mask, float scale, float* s, float* out,
+                           float* top, float* sum) {
+  const float ninf = -__builtin_inff();
+  const int64_t full = D / W * W;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = k + j * ldk;
+    if (mask && !mask[j]) {
+      for (int64_t g = 0; g < G; ++g) s[g * n + j] = ninf;
+      continue;
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      vf acc = vf{};
+      for (int64_t d = 0; d < full; d += W) acc += load(qg + d) * load(kj + d);
+      float t = hsum(acc);
+      for (int64_t d = full; d < D; ++d) t += qg[d] * kj[d];
+      s[g * n + j] = t * scale;
+    }
+  }
+  const int64_t nfull = n / W * W, dfull = Dv / W * W;
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = s + g * n;
+    float m = ninf;
+    for (int64_t j = 0; j < n; ++j) m = row[j] > m ? row[j] : m;
+    top[g] = m;
+    float* o = out + g * Dv;
+    for (int64_t c = 0; c < Dv; ++c) o[c] = 0.0f;
+    if (m == ninf) {
+      sum[g] = 0.0f;
+      continue;
+    }
+    vf acc = vf{};
+    for (int64_t j = 0; j < nfull; j += W) {
+      const vf e = exp_nonpositive(load(row + j) - splat(m));
+      store(row + j, e);
+      acc += e;
+    }
+    float total = hsum(acc);
+    for (int64_t j = nfull; j < n; ++j) {
+      row[j] = exp_nonpositive(splat(row[j] - m))[0];
+      total += row[j];
+    }
+    sum[g] = total;
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + j * ldv;
+    for (int64_t g = 0; g < G; ++g) {
+      const float e = s[g * n + j];
+      if (e == 0.0f) continue;
+      float* o = out + g * Dv;
+      for (int64_t c = 0; c < dfull; c += W) store(o + c, load(o + c) + load(vj + c) * e);
+      for (int64_t c = dfull; c < Dv; ++c) o[c] += vj[c] * e;
+    }
+  }
+}

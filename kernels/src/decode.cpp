@@ -1,0 +1,250 @@
+// The decode primitives' argument checks and CPU evaluation (see decode.h).
+#include "decode.h"
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "mlx/allocator.h"
+#include "packed.h"
+
+namespace zoo {
+
+// ------------------------------------------------------------------------------------ the ops
+std::vector<mx::array> decode_heads(const mx::array& projected, int heads, int kv_heads, bool has_v, int head_dim,
+                                    const std::optional<mx::array>& q_weight, const std::optional<mx::array>& k_weight,
+                                    float shift, float eps, bool v_norm, const mx::array& cos, const mx::array& sin,
+                                    const std::string& isa, mx::StreamOrDevice s) {
+  const char* op = "decode_heads";
+  auto stream = cpu_only(op, s);
+  check_float32(op, {{"projected", &projected}, {"cos", &cos}, {"sin", &sin}});
+  if (heads < 1 || kv_heads < 0 || head_dim < 2 || head_dim % 2 != 0 || (kv_heads > 0 && heads % kv_heads != 0))
+    fail(op, "heads " + std::to_string(heads) + ", kv_heads " + std::to_string(kv_heads) + " and head_dim " +
+                 std::to_string(head_dim) + " do not make attention heads (an even head_dim, heads a multiple of kv_heads)");
+  const int64_t width = static_cast<int64_t>(heads + kv_heads * (has_v ? 2 : 1)) * head_dim;
+  if (projected.ndim() != 3 || projected.shape(1) != 1 || projected.shape(2) != width)
+    fail(op, "projected must be [B, 1, " + std::to_string(width) + "] (queries, keys, values side by side), got " +
+                 shape_of(projected));
+  const mx::Shape table{1, head_dim / 2};
+  if (cos.shape() != table || sin.shape() != table)
+    fail(op, "cos and sin must be [1, " + std::to_string(head_dim / 2) + "], got " + shape_of(cos) + " and " + shape_of(sin));
+  std::vector<mx::array> inputs{projected, cos, sin};
+  for (const auto& [name, w] : {std::pair{"q_weight", &q_weight}, std::pair{"k_weight", &k_weight}}) {
+    if (!*w) continue;
+    check_float32(op, {{name, &**w}});
+    if ((*w)->ndim() != 1 || (*w)->shape(0) != head_dim)
+      fail(op, std::string(name) + " must be [" + std::to_string(head_dim) + "], got " + shape_of(**w));
+    inputs.push_back(**w);
+  }
+  if (!(eps >= 0.0f)) fail(op, "eps must be >= 0, got " + std::to_string(eps));
+  const std::vector<float> settings{static_cast<float>(heads), static_cast<float>(kv_heads), has_v ? 1.0f : 0.0f,
+                                    static_cast<float>(head_dim), q_weight ? 1.0f : 0.0f, k_weight ? 1.0f : 0.0f,
+                                    shift, eps, v_norm ? 1.0f : 0.0f};
+  auto primitive = std::make_shared<DecodeHeads>(stream, parse_isa(isa), settings);
+  const int B = projected.shape(0);
+  std::vector<mx::Shape> shapes{{B, heads, 1, head_dim}};
+  if (kv_heads > 0) shapes.insert(shapes.end(), 2, mx::Shape{B, kv_heads, 1, head_dim});
+  return mx::array::make_arrays(std::move(shapes), std::vector<mx::Dtype>(shapes.size(), mx::float32), primitive,
+                                std::move(inputs));
+}
+
+mx::array decode_attention(const mx::array& q, const mx::array& keys, const mx::array& values, const mx::array& start,
+                           int size, float scale, const std::optional<mx::array>& mask, const std::string& isa,
+                           mx::StreamOrDevice s) {
+  const char* op = "decode_attention";
+  auto stream = cpu_only(op, s);
+  check_float32(op, {{"q", &q}, {"keys", &keys}, {"values", &values}});
+  if (q.ndim() != 4 || keys.ndim() != 4 || values.ndim() != 4 || q.shape(2) != 1)
+    fail(op, "q must be [B, Hq, 1, D] and keys, values [B, Hkv, T, D]; got " + shape_of(q) + ", " + shape_of(keys) +
+                 ", " + shape_of(values));
+  const int B = q.shape(0), Hq = q.shape(1), D = q.shape(3), Hkv = keys.shape(1), T = keys.shape(2);
+  if (keys.shape(0) != B || values.shape(0) != B || values.shape(1) != Hkv || values.shape(2) != T || keys.shape(3) != D)
+    fail(op, "keys " + shape_of(keys) + " and values " + shape_of(values) + " do not match q " + shape_of(q));
+  if (Hkv < 1 || Hq % Hkv != 0)
+    fail(op, "query heads " + std::to_string(Hq) + " are not a multiple of kv heads " + std::to_string(Hkv));
+  if (size < 1 || size > T) fail(op, "size must be in [1, " + std::to_string(T) + "] (the planes' rows), got " + std::to_string(size));
+  if (start.dtype() != mx::int32 || start.size() != 1) fail(op, "start must be one int32, got " + shape_of(start));
+  if (!(scale > 0.0f)) fail(op, "scale must be > 0, got " + std::to_string(scale));
+  std::vector<mx::array> inputs{q, keys, values, start};
+  if (mask) {
+    const auto& m = *mask;
+    if (m.dtype() != mx::bool_ || m.ndim() != 2 || (m.shape(0) != 1 && m.shape(0) != B) || m.shape(1) != size)
+      fail(op, "mask must be bool [1 or B, size] with size " + std::to_string(size) + ", got " + shape_of(m));
+    inputs.push_back(m);
+  }
+  const std::vector<float> settings{scale, static_cast<float>(size), mask ? 1.0f : 0.0f};
+  return mx::array({B, Hq, 1, values.shape(3)}, mx::float32,
+                   std::make_shared<DecodeAttention>(stream, parse_isa(isa), settings), std::move(inputs));
+}
+
+// ------------------------------------------------------------------------------------ evaluation
+namespace {
+
+// rms_norm then RoPE of one head row (x -> out), through a scratch row.
+void norm_rotate(const Kernels& kn, const float* x, const float* w, int64_t D, float eps, const float* cos,
+                 const float* sin, float* scratch, float* out) {
+  static const int64_t zero[3] = {0, 0, 0};
+  kn.rms_norm_rows(x, w, D, eps, 0, 1, scratch);
+  kn.rotate_rows(scratch, zero, 1, 1, D, cos, sin, 0, 0, 1, out);
+}
+
+// One decode attention: parts of the run on the threads, each writing its (top, sum, out).
+struct AttentionJob {
+  Kernels kn;
+  const float* q;
+  const float* k;
+  const float* v;
+  int64_t k_stride[3], v_stride[3];
+  const uint8_t* mask;
+  int64_t mask_batch;  // mask floats between batch rows (0: one row for all)
+  int64_t B, Hkv, G, D, Dv, start, size, parts;
+  float scale;
+  float* out;  // [chunks, G, Dv]
+  float* top;  // [chunks, G]
+  float* sum;  // [chunks, G]
+};
+
+void attention_chunk(void* ctx, int chunk) {
+  const auto& j = *static_cast<const AttentionJob*>(ctx);
+  const int64_t head = chunk / j.parts, part = chunk % j.parts;
+  const int64_t b = head / j.Hkv, hk = head % j.Hkv;
+  const int64_t r0 = j.size * part / j.parts, r1 = j.size * (part + 1) / j.parts;
+  thread_local std::vector<float> scores;
+  if (static_cast<int64_t>(scores.size()) < j.G * (r1 - r0)) scores.resize(j.G * (r1 - r0));
+  const int64_t row = j.start + r0;
+  j.kn.decode_attention_part(j.q + (b * j.Hkv + hk) * j.G * j.D, j.G, j.D,
+                             j.k + b * j.k_stride[0] + hk * j.k_stride[1] + row * j.k_stride[2], j.k_stride[2],
+                             j.v + b * j.v_stride[0] + hk * j.v_stride[1] + row * j.v_stride[2], j.v_stride[2], j.Dv,
+                             r1 - r0, j.mask ? j.mask + b * j.mask_batch + r0 : nullptr, j.scale, scores.data(),
+                             j.out + chunk * j.G * j.Dv, j.top + chunk * j.G, j.sum + chunk * j.G);
+}
+
+constexpr int64_t kPartRows = 128;  // rows below which a part of the run is not worth a thread
+constexpr int64_t kMaxParts = 4;
+
+}  // namespace
+
+void DecodeHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& a : inputs) encoder.set_input_array(a);
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+    encoder.set_output_array(o);
+  }
+  const int64_t H = settings_[0], Hkv = settings_[1], D = settings_[3];
+  const bool has_v = settings_[2] != 0.0f, q_weighted = settings_[4] != 0.0f, k_weighted = settings_[5] != 0.0f;
+  const bool v_norm = settings_[8] != 0.0f;
+  const float shift = settings_[6], eps = settings_[7];
+  encoder.dispatch([inputs, kn = vector_kernels(isa_), B = static_cast<int64_t>(inputs[0].shape(0)), H, Hkv, D, has_v,
+                    v_norm, shift, eps, q_weighted, k_weighted, q = outputs[0].data<float>(),
+                    k = Hkv > 0 ? outputs[1].data<float>() : nullptr, v = Hkv > 0 ? outputs[2].data<float>() : nullptr]() {
+    std::vector<float> xc, cc, sc, qc, kc;
+    const float* x = dense(inputs[0], xc);
+    const float* cos = dense(inputs[1], cc);
+    const float* sin = dense(inputs[2], sc);
+    const float* qw = q_weighted ? dense(inputs[3], qc) : nullptr;
+    const float* kw = k_weighted ? dense(inputs[q_weighted ? 4 : 3], kc) : nullptr;
+    std::vector<float> scratch(3 * D);
+    float* row = scratch.data();
+    const float* wq = qw;
+    const float* wk = kw;
+    if (shift != 0.0f) {  // Gemma 2/3's 1 + weight, made once a call
+      for (int64_t d = 0; d < D && qw; ++d) scratch[D + d] = qw[d] + shift;
+      for (int64_t d = 0; d < D && kw; ++d) scratch[2 * D + d] = kw[d] + shift;
+      wq = qw ? scratch.data() + D : nullptr;
+      wk = kw ? scratch.data() + 2 * D : nullptr;
+    }
+    const int64_t width = (H + Hkv * (has_v ? 2 : 1)) * D;
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = x + b * width;
+      for (int64_t h = 0; h < H; ++h) norm_rotate(kn, xb + h * D, wq, D, eps, cos, sin, row, q + (b * H + h) * D);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const float* raw_k = xb + (H + h) * D;
+        norm_rotate(kn, raw_k, wk, D, eps, cos, sin, row, k + (b * Hkv + h) * D);
+        const float* raw_v = has_v ? xb + (H + Hkv + h) * D : raw_k;
+        float* vo = v + (b * Hkv + h) * D;
+        if (v_norm)
+          kn.rms_norm_rows(raw_v, nullptr, D, eps, 0, 1, vo);
+        else
+          for (int64_t d = 0; d < D; ++d) vo[d] = raw_v[d];
+      }
+    }
+  });
+}
+
+void DecodeHeads::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error("DecodeHeads runs on MLX's CPU device only");
+}
+
+std::vector<mx::Shape> DecodeHeads::output_shapes(const std::vector<mx::array>& inputs) {
+  const int B = inputs[0].shape(0), H = settings_[0], Hkv = settings_[1], D = settings_[3];
+  std::vector<mx::Shape> shapes{{B, H, 1, D}};
+  if (Hkv > 0) shapes.insert(shapes.end(), 2, mx::Shape{B, Hkv, 1, D});
+  return shapes;
+}
+
+bool DecodeHeads::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const DecodeHeads&>(other);
+  return isa_ == o.isa_ && settings_ == o.settings_;
+}
+
+void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& encoder = output_encoder(stream(), inputs, out);
+  encoder.dispatch([inputs, o = out.data<float>(), isa = isa_, scale = settings_[0],
+                    size = static_cast<int64_t>(settings_[1]), masked = settings_[2] != 0.0f]() {
+    const auto &q = inputs[0], &k = inputs[1], &v = inputs[2];
+    AttentionJob j{};
+    std::vector<float> kc, vc;
+    j.k = rows_of(k, j.k_stride, kc);
+    j.v = rows_of(v, j.v_stride, vc);
+    j.kn = vector_kernels(isa);
+    std::vector<float> qc;
+    std::vector<uint8_t> mc;
+    j.q = dense(q, qc);
+    j.B = q.shape(0), j.Hkv = k.shape(1), j.G = q.shape(1) / k.shape(1), j.D = q.shape(3), j.Dv = v.shape(3);
+    // The cache hands a start inside its planes; clamped so that no value can read past them.
+    const int64_t T = k.shape(2), first = inputs[3].data<int32_t>()[0];
+    j.start = first < 0 ? 0 : (first > T - size ? T - size : first);
+    j.size = size;
+    j.scale = scale;
+    if (masked) {
+      const auto& m = inputs[4];
+      j.mask = dense(m, mc);
+      j.mask_batch = m.shape(0) > 1 ? size : 0;
+    }
+    const int64_t wanted = size / kPartRows;
+    j.parts = wanted < 1 ? 1 : (wanted > kMaxParts ? kMaxParts : wanted);
+    const int64_t chunks = j.B * j.Hkv * j.parts;
+    std::vector<float> partial(chunks * j.G * (j.Dv + 2));
+    j.out = partial.data();
+    j.top = j.out + chunks * j.G * j.Dv;
+    j.sum = j.top + chunks * j.G;
+    parallel_chunks(static_cast<int>(chunks), attention_chunk, &j);
+    // Merge the parts of each query row: weights e^(top_p - max), over the weighted sums.
+    for (int64_t head = 0; head < j.B * j.Hkv; ++head)
+      for (int64_t g = 0; g < j.G; ++g) {
+        float m = -INFINITY;
+        for (int64_t p = 0; p < j.parts; ++p) m = std::fmax(m, j.top[(head * j.parts + p) * j.G + g]);
+        float* dst = o + (head * j.G + g) * j.Dv;
+        for (int64_t c = 0; c < j.Dv; ++c) dst[c] = 0.0f;
+        if (m == -INFINITY) continue;  // every key masked: the cache never asks for this
+        float total = 0.0f;
+        for (int64_t p = 0; p < j.parts; ++p) {
+          const int64_t at = (head * j.parts + p) * j.G + g;
+          if (j.top[at] == -INFINITY) continue;
+          const float f = std::exp(j.top[at] - m);
+          total += f * j.sum[at];
+          const float* part = j.out + at * j.Dv;
+          for (int64_t c = 0; c < j.Dv; ++c) dst[c] += f * part[c];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t c = 0; c < j.Dv; ++c) dst[c] *= inv;
+      }
+  });
+}
+
+std::vector<mx::Shape> DecodeAttention::output_shapes(const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), inputs[0].shape(1), 1, inputs[2].shape(3)}};
+}
+
+}  // namespace zoo

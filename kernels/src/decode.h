@@ -1,0 +1,67 @@
+// MLX primitives for a decode step on the CPU (one new position per row), each one graph node
+// where MLX's ops take a dozen: a decode step is ~1,200 nodes, and each costs the CPU stream a
+// task switch, so on a small model the node count, not the arithmetic, sets the step's time.
+//
+// - DecodeHeads: a layer's projected queries, keys and values [B, 1, N] split into heads, the
+//   queries and keys RMS-normed (Gemma 2/3's 1 + weight by a shift) and rotated by RoPE tables,
+//   the values optionally normed without a weight (Gemma 4); outputs q [B, Hq, 1, D] and, for a
+//   layer with its own keys, k and v [B, Hkv, 1, D].
+// - DecodeAttention: one query per row against a run of `size` rows of the cache's key and value
+//   planes from a row given as an array (read in place: no slice of the planes is made), masked
+//   by the cache's mask; parts of the run on the extension's threads, merged by their maxima.
+//
+// float32 in and out; the per-instruction-set kernels are prefill_impl.h's.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mlx/ops.h"
+#include "mlx/primitives.h"
+#include "prefill.h"
+
+namespace zoo {
+
+namespace mx = mlx::core;
+
+// projected [B, 1, (heads + kv_heads * (has_v ? 2 : 1)) * head_dim]: queries, keys, values side by
+// side (kv_heads 0: queries only). The keys are the values when !has_v (before the key norm).
+// cos, sin [1, head_dim / 2]. Returns {q} or {q, k, v}.
+std::vector<mx::array> decode_heads(const mx::array& projected, int heads, int kv_heads, bool has_v, int head_dim,
+                                    const std::optional<mx::array>& q_weight, const std::optional<mx::array>& k_weight,
+                                    float shift, float eps, bool v_norm, const mx::array& cos, const mx::array& sin,
+                                    const std::string& isa = "", mx::StreamOrDevice s = {});
+
+// softmax(q k^T * scale + mask) v for q [B, Hq, 1, D] over rows [start, start + size) of
+// keys [B, Hkv, T, D] and values [B, Hkv, T, Dv]; start an int32 scalar array (clamped into the
+// planes), mask none or bool [1 or B, size] (True = attend). Output [B, Hq, 1, Dv].
+mx::array decode_attention(const mx::array& q, const mx::array& keys, const mx::array& values, const mx::array& start,
+                           int size, float scale, const std::optional<mx::array>& mask, const std::string& isa = "",
+                           mx::StreamOrDevice s = {});
+
+class DecodeHeads : public mx::Primitive {
+ public:
+  // settings: heads, kv_heads, has_v, head_dim, q weighted, k weighted, shift, eps, v_norm
+  DecodeHeads(mx::Stream stream, Isa isa, std::vector<float> settings)
+      : mx::Primitive(stream), isa_(isa), settings_(std::move(settings)) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  bool is_equivalent(const mx::Primitive& other) const override;
+  const char* name() const override { return "DecodeHeads"; }
+
+ private:
+  Isa isa_;
+  std::vector<float> settings_;
+};
+
+class DecodeAttention : public PrefillPrimitive {  // settings: scale, size, masked (0/1)
+ public:
+  using PrefillPrimitive::PrefillPrimitive;
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  const char* name() const override { return "DecodeAttention"; }
+};
+
+}  // namespace zoo

@@ -1,0 +1,225 @@
+"""The decode kernels (``kernels.decode``, ``kernels/src/decode*``): a decode step's query/key/value
+heads and its attention over a run of a cache's planes, each one graph node, against float64 and
+against MLX's ops in whole models (kernels on == off, token after token)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import mlx.core as mx
+
+import models  # noqa: F401  (installs the kernels into cache.cpu_math)
+import zoo_switches
+from kernels import decode, prefill
+
+pytestmark = pytest.mark.skipif(not prefill.available(), reason="the C++ extension is not built here")
+ISAS = prefill.status().module.available_isas() if prefill.available() else []
+
+
+def norm64(x, w, eps, shift):
+    x = x.astype(np.float64)
+    y = x / np.sqrt((x**2).mean(-1, keepdims=True) + eps)
+    return y if w is None else y * (w.astype(np.float64) + shift)
+
+
+def rope64(x, cos, sin):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos.astype(np.float64), sin.astype(np.float64)
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+# name: kv heads, has_v, v_norm, shift (Gemma 3; Gemma 4; Gemma 4 K=V; a KV-shared layer's queries)
+KINDS = {
+    "gemma3": (2, True, False, 1.0),
+    "gemma4": (2, True, True, 0.0),
+    "k_eq_v": (1, False, True, 0.0),
+    "queries_only": (0, False, False, 0.0),
+}
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_heads_match_float64(kind, isa):
+    kv, has_v, v_norm, shift = KINDS[kind]
+    rng = np.random.default_rng(0)
+    B, H, D, eps = 2, 4, 40, 1e-6
+    width = (H + kv * (2 if has_v else 1)) * D
+    x = (rng.standard_normal((B, 1, width)) * 3).astype(np.float32)
+    qw, kw = (rng.standard_normal(D) * 0.3).astype(np.float32), (rng.standard_normal(D) * 0.3).astype(np.float32)
+    angles = rng.uniform(-40, 40, (1, D // 2))
+    cos, sin = np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+    out = decode.heads(mx.array(x), H, kv, has_v, D, mx.array(qw), mx.array(kw) if kv else None, shift, eps, v_norm,
+                       mx.array(cos), mx.array(sin), isa=isa)  # fmt: skip
+    assert len(out) == (3 if kv else 1)
+    heads = x.reshape(B, -1, D).transpose(1, 0, 2)[:, :, None]  # [heads, B, 1, D]
+    want_q = rope64(norm64(heads[:H], qw, eps, shift), cos, sin).transpose(1, 0, 2, 3)
+    np.testing.assert_allclose(np.array(out[0]), want_q, rtol=0, atol=2e-6 * np.abs(want_q).max())
+    if kv:
+        raw_k = heads[H : H + kv]
+        raw_v = heads[H + kv :] if has_v else raw_k
+        want_k = rope64(norm64(raw_k, kw, eps, shift), cos, sin).transpose(1, 0, 2, 3)
+        want_v = (norm64(raw_v, None, eps, 0.0) if v_norm else raw_v.astype(np.float64)).transpose(1, 0, 2, 3)
+        np.testing.assert_allclose(np.array(out[1]), want_k, rtol=0, atol=2e-6 * np.abs(want_k).max())
+        np.testing.assert_allclose(np.array(out[2]), want_v, rtol=0, atol=2e-6 * np.abs(want_v).max())
+
+
+def attention64(q, keys, values, start, size, scale, mask):
+    B, Hq, _, D = q.shape
+    Hkv = keys.shape[1]
+    k = keys[:, :, start : start + size].astype(np.float64)
+    v = values[:, :, start : start + size].astype(np.float64)
+    k, v = np.repeat(k, Hq // Hkv, axis=1), np.repeat(v, Hq // Hkv, axis=1)
+    s = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), k) * scale
+    if mask is not None:
+        s = np.where(np.broadcast_to(mask[:, None, None, :], s.shape), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    return np.einsum("bhqk,bhkd->bhqd", p / p.sum(-1, keepdims=True), v)
+
+
+@settings(max_examples=60, deadline=None)
+@given(B=st.integers(1, 2), Hkv=st.integers(1, 2), groups=st.integers(1, 4), D=st.sampled_from([8, 24, 64, 256]),
+       Dv=st.sampled_from([8, 64]), T=st.integers(1, 700), data=st.data(), isa=st.sampled_from(ISAS or ["portable"]))  # fmt: skip
+def test_attention_matches_float64_over_a_run(B, Hkv, groups, D, Dv, T, data, isa):
+    size = data.draw(st.integers(1, T))
+    start = data.draw(st.integers(0, T - size))
+    masked = data.draw(st.sampled_from(["none", "one", "per_row", "tail"]))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    q = rng.standard_normal((B, Hkv * groups, 1, D)).astype(np.float32)
+    keys = rng.standard_normal((B, Hkv, T, D)).astype(np.float32)
+    values = rng.standard_normal((B, Hkv, T, Dv)).astype(np.float32)
+    mask = None
+    if masked == "one":
+        mask = rng.random((1, size)) < 0.7
+    elif masked == "per_row":
+        mask = rng.random((B, size)) < 0.7
+    elif masked == "tail":  # only the last rows visible: whole parts of the run masked out
+        mask = np.arange(size)[None] >= size - max(1, size // 5)
+    if mask is not None:
+        mask[:, -1] = True  # the cache's masks always show the new position
+    scale = 0.125
+    got = decode.attention(mx.array(q), mx.array(keys), mx.array(values), mx.array(start), size, scale,
+                           None if mask is None else mx.array(mask), isa=isa)  # fmt: skip
+    want = attention64(q, keys, values, start, size, scale, mask)
+    np.testing.assert_allclose(np.array(got), want, rtol=0, atol=2e-6 * max(1.0, np.abs(want).max()))
+
+
+def test_attention_reads_strided_planes_in_place():
+    """A cache's stored rows are a view of its buffer: rows of [B, H, capacity, D] planes."""
+    rng = np.random.default_rng(3)
+    planes = rng.standard_normal((2, 2, 300, 16)).astype(np.float32)
+    k, v = mx.array(planes)[:, :, :257], mx.array(planes[::-1].copy())[:, :, :257]
+    q = rng.standard_normal((2, 4, 1, 16)).astype(np.float32)
+    got = decode.attention(mx.array(q), k, v, mx.array(0), 257, 0.3, None)
+    want = attention64(q, np.array(k), np.array(v), 0, 257, 0.3, None)
+    np.testing.assert_allclose(np.array(got), want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 9), D=st.integers(1, 300), shift=st.sampled_from([0.0, 1.0]), residual=st.booleans(),
+       isa=st.sampled_from(ISAS or ["portable"]), seed=st.integers(0, 2**16))  # fmt: skip
+def test_rms_norm_shift_and_residual_match_float64(rows, D, shift, residual, isa, seed):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((1, rows, D)) * 4).astype(np.float32)
+    w = (rng.standard_normal(D) * 0.3).astype(np.float32)
+    r = rng.standard_normal((1, rows, D)).astype(np.float32) if residual else None
+    got = np.array(prefill.rms_norm(mx.array(x), mx.array(w), 1e-6, shift, None if r is None else mx.array(r), isa=isa))
+    want = norm64(x, w, 1e-6, shift) + (0.0 if r is None else r)
+    np.testing.assert_allclose(got, want, rtol=0, atol=(6e-8 * D + 1e-6) * max(1.0, np.abs(want).max()))
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: decode.heads(mx.zeros((1, 1, 10)), 2, 1, True, 4, None, None, 0, 1e-6, False, mx.zeros((1, 2)),
+                              mx.zeros((1, 2))), r"projected must be \[B, 1, 16\]"),
+        (lambda: decode.heads(mx.zeros((1, 1, 8)), 2, 0, False, 4, None, None, 0, 1e-6, False, mx.zeros((1, 3)),
+                              mx.zeros((1, 3))), r"cos and sin must be \[1, 2\]"),
+        (lambda: decode.heads(mx.zeros((1, 1, 8)), 3, 2, True, 2, None, None, 0, 1e-6, False, mx.zeros((1, 1)),
+                              mx.zeros((1, 1))), r"heads a multiple of kv_heads"),
+        (lambda: decode.attention(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 1, 5, 4)), mx.zeros((1, 1, 5, 4)), mx.array(0),
+                                  6, 1.0, None), r"size must be in \[1, 5\]"),
+        (lambda: decode.attention(mx.zeros((1, 2, 1, 4)), mx.zeros((1, 1, 5, 4)), mx.zeros((1, 1, 5, 4)), mx.array(0),
+                                  5, 1.0, mx.ones((1, 4), dtype=mx.bool_)), r"mask must be bool \[1 or B, size\] with size 5"),
+        (lambda: decode.attention(mx.zeros((1, 3, 1, 4)), mx.zeros((1, 2, 5, 4)), mx.zeros((1, 2, 5, 4)), mx.array(0),
+                                  5, 1.0, None), r"query heads 3 are not a multiple of kv heads 2"),
+        (lambda: prefill.rms_norm(mx.zeros((1, 4)), None, 1e-6, 1.0), r"shift applies to a weight"),
+        (lambda: prefill.rms_norm(mx.zeros((1, 4)), mx.ones((4,)), 1e-6, 0.0, mx.zeros((2, 4))), r"residual \[2, 4\] must have x's shape"),
+    ],
+)
+def test_bad_arguments_are_named(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# ------------------------------------------------------------------------------------ in whole models
+transformers = pytest.importorskip("transformers")
+from tests import hf_tiny  # noqa: E402
+from tests.test_batch_generate import gemma3  # noqa: E402, F401  (the tiny Gemma 3 fixture)
+
+
+@pytest.fixture(scope="module", params=["T1", "T2", "T3", "E2B_like"])
+def gemma4(request, tmp_path_factory):
+    """(model, the folder transformers wrote it to)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    return hf_tiny.load_causal_lm(request.param, folder), folder
+
+
+def steps(model, kernels: bool, compiled: bool, rows: int = 1, n: int = 40) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens (of the first row) and the logits of the prompt's last position and of each
+    decode step after it, for a 7-token prompt (batch rows at one offset)."""
+    ids = mx.array(np.random.default_rng(1).integers(3, model.vocab_size, (rows, 7)))
+    with zoo_switches.override(GEMMA_ZOO_DECODE_KERNELS=kernels, GEMMA_ZOO_COMPILE_STEP=compiled):
+        cache = model.make_cache()
+        logits = model.logits(ids, cache)[:, -1]
+        tokens, out = [], [np.array(logits)]
+        for _ in range(n):
+            token = mx.argmax(logits, axis=-1)
+            tokens.append(int(token[0]))
+            logits = model._forward(token[:, None], cache, last_only=True)[:, -1]
+            out.append(np.array(logits))
+    return tokens, out
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_gemma4_kernels_as_close_to_float64_as_mlx_ops(gemma4, compiled):
+    # 40 steps: the sliding layers' windows fill and slide, KV-shared layers replay their donors' runs
+    gemma4, folder = gemma4
+    ids = np.random.default_rng(1).integers(3, gemma4.vocab_size, (1, 7))
+    tokens, off = steps(gemma4, False, compiled)
+    again, on = steps(gemma4, True, compiled)
+    assert again == tokens
+    hf = transformers.Gemma4ForCausalLM.from_pretrained(folder).eval()
+    want = hf_tiny.float64_logits(hf, np.concatenate([ids, np.array(tokens)[None, :-1]], axis=1))[0, 6:]
+    err_off = max(np.abs(x[0] - w).max() for x, w in zip(off, want))
+    err_on = max(np.abs(x[0] - w).max() for x, w in zip(on, want))
+    assert err_on <= max(1.5 * err_off, 1e-5), (err_on, err_off)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemma3_kernels_equal_mlx_ops(gemma3, rows):
+    for a, b in zip(steps(gemma3, False, True, rows)[1], steps(gemma3, True, True, rows)[1]):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+
+
+def test_the_kernels_shrink_the_step_graph(gemma3, tmp_path):
+    """What the kernels are for: the step's graph shrinks (each node costs the CPU stream a task)."""
+
+    def nodes(kernels: bool) -> int:
+        with zoo_switches.override(GEMMA_ZOO_DECODE_KERNELS=kernels):
+            cache = gemma3.make_cache()
+            mx.eval(gemma3.logits(mx.array([[5, 6, 7]]), cache))
+            logits = gemma3._forward(mx.array([[8]]), cache, last_only=True)
+            mx.export_to_dot(str(tmp_path / "step.dot"), logits)
+            mx.eval(logits)
+        return len(re.findall(r'label\s*=\s*"[A-Za-z]', (tmp_path / "step.dot").read_text()))
+
+    # float32 layers: each projection stays a few nodes of MLX's matmul; the norms, heads and
+    # attention around them (about half the step) become one node each
+    with_kernels, without = nodes(True), nodes(False)
+    assert with_kernels < 0.6 * without, (with_kernels, without)
