@@ -1,13 +1,17 @@
-"""What the decode step compiled whole buys (``graphs.decode_step``): the plain and the compiled step in turn, in one process.
+"""What a decode switch buys, the step with it off and on in turn, in one process: by default the
+decode step compiled whole (``graphs.decode_step``), or ``--switch GEMMA_ZOO_DECODE_KERNELS`` (the
+decode kernels, ``kernels.decode``).
 
     python -m benchmarks.compiled_step                                  # the 270M: float32, 8-bit, 4-bit
     python -m benchmarks.compiled_step --models e2b,e2b-8bit --rounds 5  # the E2B-shaped Gemma 4 of benchmarks.speed
+    python -m benchmarks.compiled_step --switch GEMMA_ZOO_DECODE_KERNELS
 
 Each model is loaded once; every round generates ``--gen`` greedy tokens after a ``--prompt``-token
-prompt (``benchmarks.speed.prompt_ids``) with ``GEMMA_ZOO_COMPILE_STEP`` off, then on (the order
-alternates between rounds), so a slow spell of a shared machine hits both alike; the ratio is taken
-per round before the median. The first compiled round includes tracing (one trace per buffer
-shape), so a warm-up run of each precedes the rounds. The token ids of both paths must be equal.
+prompt (``benchmarks.speed.prompt_ids``) with the switch off, then on (the order alternates
+between rounds), so a slow spell of a shared machine hits both alike; the ratio is taken per round
+before the median. The first compiled round includes tracing (one trace per buffer shape), so a
+warm-up run of each precedes the rounds. The token ids of both paths must be equal (or, for a
+switch that changes the arithmetic's order, the count of differing ones is printed).
 Models: zoo names or folders, and ``e2b`` / ``e2b-8bit`` / ``e2b-4bit`` (``benchmarks.speed``'s
 E2B-shaped checkpoint and its quantized folders).
 """
@@ -36,9 +40,12 @@ def folder_of(name: str) -> Path:
     return zoo_folder(name) or Path(name)
 
 
-def decode(model, prompt: list[int], gen: int, compiled: bool) -> tuple[float, list[int]]:
+SWITCHES = ("GEMMA_ZOO_COMPILE_STEP", "GEMMA_ZOO_DECODE_KERNELS")
+
+
+def decode(model, prompt: list[int], gen: int, switch: str, on: bool) -> tuple[float, list[int]]:
     """Tokens per second after the first token, and the ids."""
-    with zoo_switches.override(GEMMA_ZOO_COMPILE_STEP=compiled):
+    with zoo_switches.override(**{switch: on}):
         _, rest, ids = run_ours({"model": model}, prompt, gen)
         return (len(ids) - 1) / rest, ids
 
@@ -49,27 +56,30 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--gen", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--switch", choices=SWITCHES, default=SWITCHES[0])
     args = parser.parse_args()
     prompt = prompt_ids(args.prompt)
-    print(f"Prompt {args.prompt}, {args.gen} greedy tokens, {args.rounds} rounds per model, plain and compiled in turn; "
-          f"load average {os.getloadavg()[0]:.1f} at the start on {os.cpu_count()} CPUs.")  # fmt: skip
-    print("| model | plain decode tok/s | compiled decode tok/s | compiled vs plain |")
-    print("|---|---|---|---|")
+    print(f"Prompt {args.prompt}, {args.gen} greedy tokens, {args.rounds} rounds per model, {args.switch} off and on in "
+          f"turn; load average {os.getloadavg()[0]:.1f} at the start on {os.cpu_count()} CPUs.")  # fmt: skip
+    print("| model | off: decode tok/s | on: decode tok/s | on vs off | tokens that differ |")
+    print("|---|---|---|---|---|")
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         model = models.load(str(folder_of(name)), tokenizer=False)
-        for compiled in (False, True):
-            decode(model, prompt[:64], args.gen, compiled)  # warm-up (and the compiled step's traces)
+        for on in (False, True):
+            decode(model, prompt[:64], args.gen, args.switch, on)  # warm-up (and the compiled step's traces)
         speeds = {False: [], True: []}
-        ratios = []
+        ratios, differ = [], 0
         for r in range(args.rounds):
             ids = {}
-            for compiled in ((False, True) if r % 2 == 0 else (True, False)):
-                tps, ids[compiled] = decode(model, prompt, args.gen, compiled)
-                speeds[compiled].append(tps)
-            if ids[True] != ids[False]:
+            for on in ((False, True) if r % 2 == 0 else (True, False)):
+                tps, ids[on] = decode(model, prompt, args.gen, args.switch, on)
+                speeds[on].append(tps)
+            differ = max(differ, sum(a != b for a, b in zip(ids[True], ids[False])))
+            if args.switch == "GEMMA_ZOO_COMPILE_STEP" and differ:
                 raise SystemExit(f"{name}: the compiled step's greedy tokens differ from the plain step's")
             ratios.append(speeds[True][-1] / speeds[False][-1])
-        print(f"| {name} | {cell(speeds[False])} | {cell(speeds[True])} | {cell(ratios, 2)}x |", flush=True)
+        print(f"| {name} | {cell(speeds[False])} | {cell(speeds[True])} | {cell(ratios, 2)}x | {differ} of {args.gen} |",
+              flush=True)  # fmt: skip
     print(f"Load average {os.getloadavg()[0]:.1f} at the end.")
 
 

@@ -64,6 +64,8 @@ ABLATIONS = {
     "ours (all on)": ("ours", {}, {}),
     "MLX's exp, tanh and RoPE on the CPU (GEMMA_ZOO_FAST_MATH=0)": ("ours", {"GEMMA_ZOO_FAST_MATH": "0"}, {}),
     "no compiled decode pieces (GEMMA_ZOO_COMPILE=0)": ("ours", {"GEMMA_ZOO_COMPILE": "0"}, {}),
+    "decode step not compiled whole (GEMMA_ZOO_COMPILE_STEP=0)": ("ours", {"GEMMA_ZOO_COMPILE_STEP": "0"}, {}),
+    "no decode kernels (GEMMA_ZOO_DECODE_KERNELS=0)": ("ours", {"GEMMA_ZOO_DECODE_KERNELS": "0"}, {}),
     "one CPU stream: head and MLP not split (GEMMA_ZOO_STREAMS=0)": ("ours", {"GEMMA_ZOO_STREAMS": "0"}, {}),
     "head neither transposed nor split": ("ours", {}, {"no_relayout": True}),
     "mlx-lm's overlap (next step queued with mx.async_eval before the token is read)": ("ours", {}, {"overlap": True}),
@@ -75,6 +77,7 @@ ABLATIONS = {
     "8-bit folder, dequantized on load": ("ours 8-bit", {"GEMMA_ZOO_CPU_QUANT": "dequantize"}, {}),
     "8-bit folder, MLX's quantized matmul, float32 scales": ("ours 8-bit", {"GEMMA_ZOO_CPU_QUANT": "fp32-scales"}, {"short": True}),
     "4-bit folder, packed kernels (default CPU policy)": ("ours 4-bit", {}, {}),
+    "4-bit folder, no decode kernels (GEMMA_ZOO_DECODE_KERNELS=0)": ("ours 4-bit", {"GEMMA_ZOO_DECODE_KERNELS": "0"}, {}),
     "4-bit folder, dequantized on load": ("ours 4-bit", {"GEMMA_ZOO_CPU_QUANT": "dequantize"}, {}),
     "4-bit folder, MLX's quantized matmul, float32 scales": ("ours 4-bit", {"GEMMA_ZOO_CPU_QUANT": "fp32-scales"}, {"short": True}),
 }

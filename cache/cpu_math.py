@@ -185,6 +185,15 @@ def gelu_gated(up: mx.array, gate: mx.array) -> mx.array:
     return _gelu_gated(up, gate)
 
 
+def gelu_gated_joined(joined: mx.array) -> mx.array:
+    """``gelu_gated(up, gate)`` of one product's joined output ``[..., up | gate]`` (an MLP's up and
+    gate as one packed product): float32 rows through the installed kernel without splitting it first."""
+    runs = _kernels_for(joined) if active() else None
+    if runs is not None and joined.dtype == mx.float32:
+        return runs.gelu_gated(joined, None)
+    return gelu_gated(*mx.split(joined, 2, axis=-1))
+
+
 # ---------------------------------------------------------------------------------------- RoPE
 def rotate_half(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """RoPE by tables: ``x cos + rotate_half(x) sin`` (dim i paired with i + D/2) for float32 ``cos``

@@ -240,9 +240,9 @@ class GeGLUMLP(nn.Module):
         self.two_streams = n == 2
 
     def __call__(self, x: mx.array) -> mx.array:
-        up_gate = self.fused(x) if self.fused is not None else None
-        if up_gate is not None:
-            return self.down_proj(gelu_gated(*up_gate))
+        joined = self.fused.joined(x) if self.fused is not None else None
+        if joined is not None:
+            return self.down_proj(cpu_math.gelu_gated_joined(joined))
         if self.two_streams and few_rows(x):
             with mx.stream(cpu_streams(2)[1]):
                 up = self.up_proj(x)
@@ -294,7 +294,8 @@ class SelfAttention(nn.Module):
         B, L, _ = x.shape
         heads = self._decode_heads(x, offset) if L == 1 else None
         out = read(cache, *(heads or self._normed_heads(x, offset)), scale=self.scale)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        # [B, heads, L, D] -> [B, L, heads * D]; one position is already in that order (no copy)
+        return self.o_proj(out.reshape(B, 1, -1) if L == 1 else out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def _normed_heads(self, x: mx.array, offset) -> list[mx.array]:
         """``[q]`` (a layer without its own keys) or ``[q, k, v]``, ``[B, heads, L, D]``, normed and rotated."""

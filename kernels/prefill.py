@@ -100,8 +100,9 @@ def rotate(x: mx.array, cos: mx.array, sin: mx.array, isa: str | None = None) ->
     return _module().rope_rotate(x, cos, sin, isa or "")
 
 
-def gelu_gated(up: mx.array, gate: mx.array, isa: str | None = None) -> mx.array:
-    """``gelu_tanh(gate) * up`` for float32 ``up`` and ``gate`` of one shape."""
+def gelu_gated(up: mx.array, gate: mx.array | None, isa: str | None = None) -> mx.array:
+    """``gelu_tanh(gate) * up`` for float32 ``up`` and ``gate`` of one shape; ``gate`` None: ``up``
+    holds rows of ``[up | gate]`` (one product's joined output) and the result has half its width."""
     return _module().gelu_gate(up, gate, isa or "")
 
 

@@ -133,6 +133,18 @@ def test_rms_norm_shift_and_residual_match_float64(rows, D, shift, residual, isa
     np.testing.assert_allclose(got, want, rtol=0, atol=(6e-8 * D + 1e-6) * max(1.0, np.abs(want).max()))
 
 
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 9), width=st.integers(1, 300), isa=st.sampled_from(ISAS or ["portable"]),
+       seed=st.integers(0, 2**16))  # fmt: skip
+def test_gelu_gate_of_a_joined_product_matches_float64(rows, width, isa, seed):
+    """An MLP's up and gate as one product: rows of [up | gate], gated without a split."""
+    joined = (np.random.default_rng(seed).standard_normal((1, rows, 2 * width)) * 3).astype(np.float32)
+    got = np.array(prefill.gelu_gated(mx.array(joined), None, isa=isa))
+    up, gate = joined[..., :width].astype(np.float64), joined[..., width:].astype(np.float64)
+    want = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3))) * up
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * max(1.0, np.abs(want).max()))
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
@@ -149,6 +161,7 @@ def test_rms_norm_shift_and_residual_match_float64(rows, D, shift, residual, isa
         (lambda: decode.attention(mx.zeros((1, 3, 1, 4)), mx.zeros((1, 2, 5, 4)), mx.zeros((1, 2, 5, 4)), mx.array(0),
                                   5, 1.0, None), r"query heads 3 are not a multiple of kv heads 2"),
         (lambda: prefill.rms_norm(mx.zeros((1, 4)), None, 1e-6, 1.0), r"shift applies to a weight"),
+        (lambda: prefill.gelu_gated(mx.zeros((1, 5)), None), r"even last axis, got \[1, 5\]"),
         (lambda: prefill.rms_norm(mx.zeros((1, 4)), mx.ones((4,)), 1e-6, 0.0, mx.zeros((2, 4))), r"residual \[2, 4\] must have x's shape"),
     ],
 )

@@ -30,8 +30,8 @@ NB_MODULE(_packed, m) {
         "residual + x * (mean(x^2) + eps)^-1/2 * (weight + shift) over the last axis in float32, split over the threads");
   m.def("rope_rotate", &zoo::rope_rotate, "x"_a, "cos"_a, "sin"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "RoPE by tables (x cos + rotate_half(x) sin) in float32, split over the threads");
-  m.def("gelu_gate", &zoo::gelu_gate, "up"_a, "gate"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
-        "gelu_tanh(gate) * up in float32, split over the threads");
+  m.def("gelu_gate", &zoo::gelu_gate, "up"_a, "gate"_a = nb::none(), "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
+        "gelu_tanh(gate) * up in float32, split over the threads (no gate: up holds rows of [up | gate])");
   m.def("decode_heads", &zoo::decode_heads, "projected"_a, "heads"_a, "kv_heads"_a, "has_v"_a, "head_dim"_a,
         "q_weight"_a = nb::none(), "k_weight"_a = nb::none(), "shift"_a = 0.0f, "eps"_a = 1e-6f, "v_norm"_a = false,
         "cos"_a, "sin"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),

@@ -163,16 +163,25 @@ void run_attention(AttentionArgs a, Isa isa) {
 struct GeluJob {
   Kernels kn;
   const float* up;
-  const float* gate;
+  const float* gate;  // null: up holds rows of [up | gate], `width` values each
   float* out;
-  int64_t n;
+  int64_t n;  // outputs
+  int64_t width;
   int chunks;
 };
 
 void gelu_chunk(void* ctx, int chunk) {
   const auto& j = *static_cast<const GeluJob*>(ctx);
-  const int64_t i0 = j.n * chunk / j.chunks, i1 = j.n * (chunk + 1) / j.chunks;
-  j.kn.gelu_gate(j.up, j.gate, i0, i1, j.out);
+  if (j.gate) {
+    const int64_t i0 = j.n * chunk / j.chunks, i1 = j.n * (chunk + 1) / j.chunks;
+    j.kn.gelu_gate(j.up, j.gate, i0, i1, j.out);
+    return;
+  }
+  const int64_t rows = j.n / j.width, r0 = rows * chunk / j.chunks, r1 = rows * (chunk + 1) / j.chunks;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* row = j.up + 2 * r * j.width;
+    j.kn.gelu_gate(row, row + j.width, 0, j.width, j.out + r * j.width);
+  }
 }
 
 constexpr int64_t kGeluChunk = 1 << 14;  // elements below which a chunk is not worth a thread
@@ -295,12 +304,21 @@ mx::array prefill_attention(const mx::array& q, const mx::array& k, const mx::ar
                    std::make_shared<PrefillAttention>(stream, parse_isa(isa), settings), std::move(inputs));
 }
 
-mx::array gelu_gate(const mx::array& up, const mx::array& gate, const std::string& isa, mx::StreamOrDevice s) {
+mx::array gelu_gate(const mx::array& up, const std::optional<mx::array>& gate, const std::string& isa,
+                    mx::StreamOrDevice s) {
   const char* op = "gelu_gate";
   auto stream = cpu_only(op, s);
-  check_float32(op, {{"up", &up}, {"gate", &gate}});
-  if (up.shape() != gate.shape()) fail(op, "up " + shape_of(up) + " and gate " + shape_of(gate) + " must have one shape");
-  return mx::array(up.shape(), mx::float32, std::make_shared<GeluGate>(stream, parse_isa(isa)), {up, gate});
+  check_float32(op, {{"up", &up}});
+  if (!gate) {  // one array of rows [up | gate]
+    if (up.ndim() < 1 || up.shape(-1) % 2 != 0)
+      fail(op, "without gate, up must hold [up | gate] along an even last axis, got " + shape_of(up));
+    auto shape = up.shape();
+    shape.back() /= 2;
+    return mx::array(std::move(shape), mx::float32, std::make_shared<GeluGate>(stream, parse_isa(isa)), {up});
+  }
+  check_float32(op, {{"gate", &*gate}});
+  if (up.shape() != gate->shape()) fail(op, "up " + shape_of(up) + " and gate " + shape_of(*gate) + " must have one shape");
+  return mx::array(up.shape(), mx::float32, std::make_shared<GeluGate>(stream, parse_isa(isa)), {up, *gate});
 }
 
 mx::array prefill_linear(const mx::array& x, const mx::array& w, const std::string& isa, mx::StreamOrDevice s) {
@@ -388,14 +406,16 @@ void PrefillAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array&
 
 void GeluGate::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& encoder = output_encoder(stream(), inputs, out);
-  const int64_t n = out.size();
-  const int64_t wanted = n / kGeluChunk;
-  const int chunks = static_cast<int>(wanted < 1 ? 1 : (wanted > 8 ? 8 : wanted));
-  encoder.dispatch([inputs, job = GeluJob{vector_kernels(isa_), nullptr, nullptr, out.data<float>(), n, chunks}]() mutable {
+  const int64_t n = out.size(), width = out.ndim() ? out.shape(-1) : 1;
+  const bool joined = inputs.size() == 1;
+  const int64_t wanted = n / kGeluChunk, most = joined ? (width ? n / width : 1) : 8;
+  const int chunks = static_cast<int>(wanted < 1 ? 1 : (wanted > 8 ? 8 : (wanted > most ? most : wanted)));
+  encoder.dispatch([inputs, joined, job = GeluJob{vector_kernels(isa_), nullptr, nullptr, out.data<float>(), n, width,
+                                                  chunks}]() mutable {
     if (job.n == 0) return;
     std::vector<float> up, gate;
     job.up = dense(inputs[0], up);
-    job.gate = dense(inputs[1], gate);
+    if (!joined) job.gate = dense(inputs[1], gate);
     parallel_chunks(job.chunks, gelu_chunk, &job);
   });
 }
@@ -464,6 +484,12 @@ void PrefillPrimitive::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 
 std::vector<mx::Shape> PrefillAttention::output_shapes(const std::vector<mx::array>& inputs) {
   return {{inputs[0].shape(0), inputs[0].shape(1), inputs[0].shape(2), inputs[2].shape(3)}};
+}
+
+std::vector<mx::Shape> GeluGate::output_shapes(const std::vector<mx::array>& inputs) {
+  auto shape = inputs[0].shape();
+  if (inputs.size() == 1) shape.back() /= 2;
+  return {shape};
 }
 
 std::vector<mx::Shape> PrefillLinear::output_shapes(const std::vector<mx::array>& inputs) {

@@ -131,8 +131,10 @@ mx::array rms_norm(const mx::array& x, const std::optional<mx::array>& weight, f
 mx::array rope_rotate(const mx::array& x, const mx::array& cos, const mx::array& sin, const std::string& isa = "",
                       mx::StreamOrDevice s = {});
 
-// gelu_tanh(gate) * up, both float32 of one shape.
-mx::array gelu_gate(const mx::array& up, const mx::array& gate, const std::string& isa = "", mx::StreamOrDevice s = {});
+// gelu_tanh(gate) * up, both float32 of one shape; without gate, up holds rows of [up | gate]
+// (the joined output of one product) and the result has half its last axis.
+mx::array gelu_gate(const mx::array& up, const std::optional<mx::array>& gate, const std::string& isa = "",
+                    mx::StreamOrDevice s = {});
 
 // What the prefill primitives share: the instruction set, a few numeric settings compared by
 // is_equivalent (scale, flags, eps), the output shape of the first input unless a kind says
@@ -167,7 +169,8 @@ ZOO_PREFILL_PRIMITIVE(PrefillLinear,
                       std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;)
 ZOO_PREFILL_PRIMITIVE(RmsNorm, )  // settings: eps, weighted (0/1), shift, with a residual (0/1)
 ZOO_PREFILL_PRIMITIVE(RopeRotate, )
-ZOO_PREFILL_PRIMITIVE(GeluGate, )
+ZOO_PREFILL_PRIMITIVE(GeluGate,
+                      std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;)
 #undef ZOO_PREFILL_PRIMITIVE
 
 }  // namespace zoo
