@@ -40,7 +40,12 @@ def test_a_rank_killed_mid_generation_ends_the_others_with_a_named_error(folders
     survivor, victim = launch_direct([generation(folders, mode, die_after=3, timeout=60)], 2, tmp_path, timeout=120)
     assert victim.returncode == -9
     assert survivor.returncode == EXIT_RANK_LOST, survivor.stderr[-2000:]
-    assert "RankLostError: rank 0 of 2" in survivor.stderr and "another rank is gone" in survivor.stderr
+    # The backend's error when the survivor was receiving as the peer died; the watchdog's when it
+    # was sending: MLX's ring backend then logs "Failing pending tasks" but the waiting evaluation
+    # never returns (seen with MLX 0.32.4 once the decode kernels made the step fast enough to be
+    # in a send at that moment), and only the watchdog ends it.
+    assert "RankLostError: rank 0 of 2" in survivor.stderr
+    assert "another rank is gone" in survivor.stderr or "no answer from the other ranks for 60 s" in survivor.stderr
     assert time.monotonic() - start < 90
 
 
