@@ -39,8 +39,8 @@ struct V {
                                         static_cast<int>(0x80808008u | J), static_cast<int>(0x8080800cu | J));
       return _mm512_cvtepi32_ps(_mm512_shuffle_epi8(w, pick));
     } else {
-      const I nibble = J == 0 ? w : _mm512_srli_epi32(w, 4 * J);
-      return _mm512_cvtepi32_ps(J == 7 ? nibble : _mm512_and_si512(nibble, _mm512_set1_epi32(15)));
+      const F table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      return _mm512_permutexvar_ps(J == 0 ? w : _mm512_srli_epi32(w, 4 * J), table);
     }
   }
   static F spread(F s, int first, int P, int shift) {

@@ -73,21 +73,34 @@ __attribute__((always_inline)) inline void unroll(Fn& fn) {
 
 inline int log2_of(int group) { return group == 32 ? 5 : group == 64 ? 6 : 7; }
 
+// Software prefetch this many bytes of weight rows ahead, one cache line with each block a row
+// reads (and the scales and biases of the rows that far ahead, a tile at a time): a decode
+// product streams each weight once from memory. On the 270M's 8-bit head, one core: hardware
+// prefetchers alone ~9 GB/s; a tile's lines prefetched at once ~12; a line a block 8 KiB ahead
+// ~16 (4 or 16 KiB ~14, into L2 only ~13; a plain read of the same bytes ~24).
+constexpr int64_t kPrefetchBytes = 8192;
+
+inline void prefetch(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
 // One tile: NR weight rows (row pointer w, scale and bias rows sc and bi) times MT activation rows.
 //
 // A block is L words of weights (4L bytes: P = 32 / BITS values a word); the activations come in
 // the same order (qmm.h), so field J of every word meets one plain load of them. A block's values
-// sum per lane into acc, which is then scaled lane by lane (each lane lies in one group) into tot.
-// Scales and biases are converted L groups at a time; the biases meet the activations' group sums
-// lane by lane in tot as well, so one horizontal sum a row ends it.
-template <int BITS, int MT, int NR, class S>
+// sum per lane into acc, which is then scaled lane by lane (each lane lies in one group; when a
+// group spans whole blocks, by one broadcast scale) into tot. Scales and biases are converted L
+// groups at a time; the biases meet the activations' group sums lane by lane in tot as well, so
+// one horizontal sum a row ends it.
+template <int BITS, int MT, int NR, class S, bool UNIFORM>
 inline void tile(const Prepared& a, int64_t m0, const PackedWeights& p, const uint8_t* w, const S* sc, const S* bi,
                  float* y, int64_t ldy) {
   constexpr int P = 32 / BITS;
   constexpr int64_t BW = V::L * P;  // values a block
   const int64_t rb = p.row_bytes(), G = p.groups(), K = p.K;
   const int shift = log2_of(p.group);
-  const int64_t full = K / BW;                       // whole blocks a row
+  const int64_t full = K / BW;                            // whole blocks a row
   const int tail_words = static_cast<int>((K % BW) / P);  // words of the last, partial block
   const int64_t blocks_per_chunk = V::L * p.group / BW;   // a chunk: the blocks of L groups
   const float* x = a.x + m0 * a.x_stride;
@@ -95,11 +108,14 @@ inline void tile(const Prepared& a, int64_t m0, const PackedWeights& p, const ui
   F tot[NR][MT];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MT; ++m) tot[r][m] = V::zero();
+  F s[NR];               // a chunk's scales
+  float s1[NR][V::L];    // the same, to broadcast from (UNIFORM)
 
-  auto block = [&](int64_t t, int64_t t0, const F* s, bool whole) __attribute__((always_inline)) {
+  auto block = [&](int64_t t, int64_t t0, bool whole) __attribute__((always_inline)) {
     I q[NR];
     for (int r = 0; r < NR; ++r) {
       const uint8_t* src = w + r * rb + t * 4 * V::L;
+      __builtin_prefetch(src + kPrefetchBytes);
       q[r] = whole ? V::words(src) : V::words_part(src, tail_words);
     }
     F acc[NR][MT];
@@ -115,42 +131,32 @@ inline void tile(const Prepared& a, int64_t m0, const PackedWeights& p, const ui
       }
     };
     unroll<0, P>(field);
-    const int64_t first = (t - t0) * BW;
+    const int first = static_cast<int>((t - t0) * BW);
     for (int r = 0; r < NR; ++r) {
-      const F sv = V::spread(s[r], static_cast<int>(first), P, shift);
+      const F sv = UNIFORM ? V::set1(s1[r][first >> shift]) : V::spread(s[r], first, P, shift);
       for (int m = 0; m < MT; ++m) tot[r][m] = V::fma(acc[r][m], sv, tot[r][m]);
     }
   };
 
   for (int64_t g0 = 0; g0 < G; g0 += V::L) {
     const int n = static_cast<int>(G - g0 < V::L ? G - g0 : V::L);
-    F s[NR];
     for (int r = 0; r < NR; ++r) {
       s[r] = scales(sc + r * G + g0, n);
+      if (UNIFORM) V::store(s1[r], s[r]);
       const F b = scales(bi + r * G + g0, n);
       for (int m = 0; m < MT; ++m) tot[r][m] = V::fma(b, V::load(xs + m * a.sums_stride + g0), tot[r][m]);
     }
     const int64_t t0 = g0 / V::L * blocks_per_chunk;
     const int64_t t1 = t0 + blocks_per_chunk < full ? t0 + blocks_per_chunk : full;
-    for (int64_t t = t0; t < t1; ++t) block(t, t0, s, true);
-    if (tail_words && t1 == full && full < t0 + blocks_per_chunk) block(full, t0, s, false);
+    for (int64_t t = t0; t < t1; ++t) block(t, t0, true);
+    if (tail_words && t1 == full && full < t0 + blocks_per_chunk) block(full, t0, false);
   }
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MT; ++m) y[m * ldy + r] = V::sum(tot[r][m]);
 }
 
-// Software prefetch this many bytes of weight rows ahead (and the scales and biases of those
-// rows): a decode product streams each weight once from memory, and the hardware prefetchers
-// alone kept one core at ~9 GB/s on the 270M's head, against ~27 GB/s with this (docs/speed.md).
-constexpr int64_t kPrefetchBytes = 8192;
-
-inline void prefetch(const void* start, int64_t bytes) {
-  const char* p = static_cast<const char*>(start);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
-}
-
 // Rows [n0, n1) for MT activation rows starting at row m0: NR rows at a time, then one by one.
-template <int BITS, int MT, int NR, class S>
+template <int BITS, int MT, int NR, class S, bool UNIFORM>
 inline void rows_mt(const Prepared& a, const PackedWeights& p, int64_t m0, int64_t n0, int64_t n1, float* y) {
   const int64_t G = p.groups(), rb = p.row_bytes();
   const S* sc = static_cast<const S*>(p.scales);
@@ -160,32 +166,31 @@ inline void rows_mt(const Prepared& a, const PackedWeights& p, int64_t m0, int64
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
     if (n + ahead + NR <= n1) {
-      prefetch(p.w + (n + ahead) * rb, NR * rb);
       prefetch(sc + (n + ahead) * G, NR * G * static_cast<int64_t>(sizeof(S)));
       prefetch(bi + (n + ahead) * G, NR * G * static_cast<int64_t>(sizeof(S)));
     }
-    tile<BITS, MT, NR, S>(a, m0, p, p.w + n * rb, sc + n * G, bi + n * G, ym + n, p.N);
+    tile<BITS, MT, NR, S, UNIFORM>(a, m0, p, p.w + n * rb, sc + n * G, bi + n * G, ym + n, p.N);
   }
-  for (; n < n1; ++n) tile<BITS, MT, 1, S>(a, m0, p, p.w + n * rb, sc + n * G, bi + n * G, ym + n, p.N);
+  for (; n < n1; ++n) tile<BITS, MT, 1, S, UNIFORM>(a, m0, p, p.w + n * rb, sc + n * G, bi + n * G, ym + n, p.N);
 }
 
 // Weight rows outermost (read from memory once), activation rows in tiles of up to 4 inside,
 // over blocks of 16 weight rows (they stay in L1 between the tiles).
-template <int BITS, class S>
+template <int BITS, class S, bool UNIFORM>
 inline void rows_bits(const Prepared& a, const PackedWeights& p, int64_t n0, int64_t n1, float* y) {
   if (a.M == 1) {
-    rows_mt<BITS, 1, V::NR1, S>(a, p, 0, n0, n1, y);
+    rows_mt<BITS, 1, V::NR1, S, UNIFORM>(a, p, 0, n0, n1, y);
     return;
   }
   const int64_t block = 16;
   for (int64_t b0 = n0; b0 < n1; b0 += block) {
     const int64_t b1 = b0 + block < n1 ? b0 + block : n1;
     int64_t m = 0;
-    for (; m + 4 <= a.M; m += 4) rows_mt<BITS, 4, V::NR4, S>(a, p, m, b0, b1, y);
+    for (; m + 4 <= a.M; m += 4) rows_mt<BITS, 4, V::NR4, S, UNIFORM>(a, p, m, b0, b1, y);
     switch (a.M - m) {
-      case 3: rows_mt<BITS, 3, 1, S>(a, p, m, b0, b1, y); break;
-      case 2: rows_mt<BITS, 2, 2, S>(a, p, m, b0, b1, y); break;
-      case 1: rows_mt<BITS, 1, V::NR1, S>(a, p, m, b0, b1, y); break;
+      case 3: rows_mt<BITS, 3, 1, S, UNIFORM>(a, p, m, b0, b1, y); break;
+      case 2: rows_mt<BITS, 2, 2, S, UNIFORM>(a, p, m, b0, b1, y); break;
+      case 1: rows_mt<BITS, 1, V::NR1, S, UNIFORM>(a, p, m, b0, b1, y); break;
       default: break;
     }
   }
@@ -219,12 +224,21 @@ inline void dequant_bits(const PackedWeights& p, int64_t n0, int64_t n1, float* 
   }
 }
 
+// Whether each block lies in one group (then its scale is one broadcast).
+template <int BITS, class S>
+inline void rows_grouped(const Prepared& a, const PackedWeights& p, int64_t n0, int64_t n1, float* y) {
+  if (p.group >= V::L * 32 / BITS)
+    rows_bits<BITS, S, true>(a, p, n0, n1, y);
+  else
+    rows_bits<BITS, S, false>(a, p, n0, n1, y);
+}
+
 template <int BITS>
 inline void rows_scaled(const Prepared& a, const PackedWeights& p, int64_t n0, int64_t n1, float* y) {
   switch (p.scale_type) {
-    case ScaleType::bf16: rows_bits<BITS, Bf16>(a, p, n0, n1, y); break;
-    case ScaleType::f16: rows_bits<BITS, F16>(a, p, n0, n1, y); break;
-    default: rows_bits<BITS, float>(a, p, n0, n1, y); break;
+    case ScaleType::bf16: rows_grouped<BITS, Bf16>(a, p, n0, n1, y); break;
+    case ScaleType::f16: rows_grouped<BITS, F16>(a, p, n0, n1, y); break;
+    default: rows_grouped<BITS, float>(a, p, n0, n1, y); break;
   }
 }
 
