@@ -6,6 +6,7 @@
 namespace zoo::avx2 {
 namespace {
 struct V {
+  template <int BITS>
   static constexpr int NR1 = 4;
   static constexpr int NR4 = 1;
   static constexpr int L = 8;

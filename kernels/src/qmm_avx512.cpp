@@ -6,7 +6,8 @@
 namespace zoo::avx512 {
 namespace {
 struct V {
-  static constexpr int NR1 = 4;
+  template <int BITS>
+  static constexpr int NR1 = BITS == 8 ? 8 : 4;
   static constexpr int NR4 = 2;
   static constexpr int L = 16;
   using F = __m512;

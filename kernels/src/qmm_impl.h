@@ -12,7 +12,8 @@
 // of every word, as floats), load_part, f16_part and bf16_part (n <= L float32, float16 or
 // bfloat16 values as floats, the rest zero; not in the plain C++ build), spread(s, first, P, shift) (lane i = lane (first + i P) >> shift of s: each
 // lane's group), u8(p) and u4n(p, a, b) (L bytes -> L values, 2L nibbles in storage order, for
-// dequantizing), and NR1 and NR4, the weight rows a tile of 1 and of 4 activation rows takes.
+// dequantizing), and NR1<BITS> and NR4, the weight rows a tile of 1 and of 4 activation rows takes
+// (as many as the registers hold without spilling: measured on Zen 5, docs/speed.md).
 
 namespace {
 
@@ -179,7 +180,7 @@ inline void rows_mt(const Prepared& a, const PackedWeights& p, int64_t m0, int64
 template <int BITS, class S, bool UNIFORM>
 inline void rows_bits(const Prepared& a, const PackedWeights& p, int64_t n0, int64_t n1, float* y) {
   if (a.M == 1) {
-    rows_mt<BITS, 1, V::NR1, S, UNIFORM>(a, p, 0, n0, n1, y);
+    rows_mt<BITS, 1, V::template NR1<BITS>, S, UNIFORM>(a, p, 0, n0, n1, y);
     return;
   }
   const int64_t block = 16;
@@ -190,7 +191,7 @@ inline void rows_bits(const Prepared& a, const PackedWeights& p, int64_t n0, int
     switch (a.M - m) {
       case 3: rows_mt<BITS, 3, 1, S, UNIFORM>(a, p, m, b0, b1, y); break;
       case 2: rows_mt<BITS, 2, 2, S, UNIFORM>(a, p, m, b0, b1, y); break;
-      case 1: rows_mt<BITS, 1, V::NR1, S, UNIFORM>(a, p, m, b0, b1, y); break;
+      case 1: rows_mt<BITS, 1, V::template NR1<BITS>, S, UNIFORM>(a, p, m, b0, b1, y); break;
       default: break;
     }
   }

@@ -6,6 +6,7 @@
 namespace zoo::portable {
 namespace {
 struct V {
+  template <int BITS>
   static constexpr int NR1 = 1;
   static constexpr int NR4 = 1;
   static constexpr int L = 1;
