@@ -23,6 +23,10 @@ struct V {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  template <int NR>
+  static void sums(const F* v, float* out) {
+    for (int r = 0; r < NR; ++r) out[r] = sum(v[r]);
+  }
   // Lanes [0, n) set (the sign bit a masked load reads).
   static I first(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)); }
   static F load_part(const float* p, int n) { return _mm256_maskload_ps(p, first(n)); }

@@ -18,6 +18,32 @@ struct V {
   static F set1(float s) { return _mm512_set1_ps(s); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(F a) { return _mm512_reduce_add_ps(a); }
+  // The sums of NR <= 16 vectors, each added up in sum's order (lane i with i + 8, then i + 4,
+  // i + 2, i + 1), but several vectors an instruction.
+  template <int NR>
+  static void sums(const F* v, float* out) {
+    if constexpr (NR == 1) {
+      out[0] = sum(v[0]);
+    } else {
+      constexpr int N1 = NR / 2, N2 = (N1 + 1) / 2, N3 = (N2 + 1) / 2;
+      const F z = zero();
+      F t[N1], u[N2], w[N3];
+      for (int i = 0; i < N1; ++i)
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+      for (int i = 0; i < N2; ++i) {
+        const F b = 2 * i + 1 < N1 ? t[2 * i + 1] : z;
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], b, 0x88), _mm512_shuffle_f32x4(t[2 * i], b, 0xdd));
+      }
+      for (int i = 0; i < N3; ++i) {
+        const F b = 2 * i + 1 < N2 ? u[2 * i + 1] : z;
+        w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], b, 0x44), _mm512_shuffle_ps(u[2 * i], b, 0xee));
+      }
+      const F b = N3 > 1 ? w[1] : z;
+      alignas(64) float lanes[16];  // lane 4k + j: vector k + 4j
+      _mm512_store_ps(lanes, _mm512_add_ps(_mm512_shuffle_ps(w[0], b, 0x88), _mm512_shuffle_ps(w[0], b, 0xdd)));
+      for (int r = 0; r < NR; ++r) out[r] = lanes[4 * (r % 4) + r / 4];
+    }
+  }
   static __mmask16 first(int n) { return static_cast<__mmask16>((1u << n) - 1); }
   static F load_part(const float* p, int n) { return _mm512_maskz_loadu_ps(first(n), p); }
   static __m256i halves(const uint16_t* p, int n) {

@@ -7,7 +7,7 @@
 // picked by the linker for a narrower one.
 //
 // V provides: L (floats a vector), F (the vector), I (L 32-bit words), zero, load, store, set1,
-// fma(a, b, c) = a*b + c, sum (horizontal), words(p) (4L weight bytes as L words) and
+// fma(a, b, c) = a*b + c, sum (horizontal) and sums<NR> (NR of them, in sum's order), words(p) (4L weight bytes as L words) and
 // words_part(p, n) (the first n words, the rest zero), field<BITS, J>(w) (the J-th BITS-bit field
 // of every word, as floats), load_part, f16_part and bf16_part (n <= L float32, float16 or
 // bfloat16 values as floats, the rest zero; not in the plain C++ build), spread(s, first, P, shift) (lane i = lane (first + i P) >> shift of s: each
@@ -152,8 +152,11 @@ inline void tile(const Prepared& a, int64_t m0, const PackedWeights& p, const ui
     for (int64_t t = t0; t < t1; ++t) block(t, t0, true);
     if (tail_words && t1 == full && full < t0 + blocks_per_chunk) block(full, t0, false);
   }
-  for (int r = 0; r < NR; ++r)
-    for (int m = 0; m < MT; ++m) y[m * ldy + r] = V::sum(tot[r][m]);
+  for (int m = 0; m < MT; ++m) {
+    F col[NR];
+    for (int r = 0; r < NR; ++r) col[r] = tot[r][m];
+    V::template sums<NR>(col, y + m * ldy);
+  }
 }
 
 // Rows [n0, n1) for MT activation rows starting at row m0: NR rows at a time, then one by one.

@@ -18,6 +18,10 @@ struct V {
   static F set1(float s) { return s; }
   static F fma(F a, F b, F c) { return a * b + c; }
   static float sum(F a) { return a; }
+  template <int NR>
+  static void sums(const F* v, float* out) {
+    for (int r = 0; r < NR; ++r) out[r] = sum(v[r]);
+  }
   static I words(const uint8_t* p) {
     I w;
     __builtin_memcpy(&w, p, sizeof w);
