@@ -6,9 +6,8 @@
 namespace zoo::avx2 {
 namespace {
 struct V {
-  template <int BITS>
-  static constexpr int NR1 = 4;
-  static constexpr int NR4 = 1;
+  template <int BITS, int MT>
+  static constexpr int NR = MT == 1 ? 4 : MT == 2 ? 2 : 1;
   static constexpr int L = 8;
   using F = __m256;
   using I = __m256i;

@@ -6,9 +6,8 @@
 namespace zoo::avx512 {
 namespace {
 struct V {
-  template <int BITS>
-  static constexpr int NR1 = BITS == 8 ? 8 : 4;
-  static constexpr int NR4 = 2;
+  template <int BITS, int MT>
+  static constexpr int NR = MT == 1 && BITS == 8 ? 8 : 4;
   static constexpr int L = 16;
   using F = __m512;
   using I = __m512i;
@@ -25,11 +24,13 @@ struct V {
     if constexpr (NR == 1) {
       out[0] = sum(v[0]);
     } else {
-      constexpr int N1 = NR / 2, N2 = (N1 + 1) / 2, N3 = (N2 + 1) / 2;
+      constexpr int N1 = (NR + 1) / 2, N2 = (N1 + 1) / 2, N3 = (N2 + 1) / 2;
       const F z = zero();
       F t[N1], u[N2], w[N3];
-      for (int i = 0; i < N1; ++i)
-        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+      for (int i = 0; i < N1; ++i) {
+        const F b = 2 * i + 1 < NR ? v[2 * i + 1] : z;
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], b, 0x44), _mm512_shuffle_f32x4(v[2 * i], b, 0xee));
+      }
       for (int i = 0; i < N2; ++i) {
         const F b = 2 * i + 1 < N1 ? t[2 * i + 1] : z;
         u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], b, 0x88), _mm512_shuffle_f32x4(t[2 * i], b, 0xdd));

@@ -12,8 +12,8 @@
 // of every word, as floats), load_part, f16_part and bf16_part (n <= L float32, float16 or
 // bfloat16 values as floats, the rest zero; not in the plain C++ build), spread(s, first, P, shift) (lane i = lane (first + i P) >> shift of s: each
 // lane's group), u8(p) and u4n(p, a, b) (L bytes -> L values, 2L nibbles in storage order, for
-// dequantizing), and NR1<BITS> and NR4, the weight rows a tile of 1 and of 4 activation rows takes
-// (as many as the registers hold without spilling: measured on Zen 5, docs/speed.md).
+// dequantizing), and NR<BITS, MT>, the weight rows a tile of MT activation rows takes (measured
+// on Zen 5: docs/speed.md).
 
 namespace {
 
@@ -183,18 +183,18 @@ inline void rows_mt(const Prepared& a, const PackedWeights& p, int64_t m0, int64
 template <int BITS, class S, bool UNIFORM>
 inline void rows_bits(const Prepared& a, const PackedWeights& p, int64_t n0, int64_t n1, float* y) {
   if (a.M == 1) {
-    rows_mt<BITS, 1, V::template NR1<BITS>, S, UNIFORM>(a, p, 0, n0, n1, y);
+    rows_mt<BITS, 1, V::template NR<BITS, 1>, S, UNIFORM>(a, p, 0, n0, n1, y);
     return;
   }
   const int64_t block = 16;
   for (int64_t b0 = n0; b0 < n1; b0 += block) {
     const int64_t b1 = b0 + block < n1 ? b0 + block : n1;
     int64_t m = 0;
-    for (; m + 4 <= a.M; m += 4) rows_mt<BITS, 4, V::NR4, S, UNIFORM>(a, p, m, b0, b1, y);
+    for (; m + 4 <= a.M; m += 4) rows_mt<BITS, 4, V::template NR<BITS, 4>, S, UNIFORM>(a, p, m, b0, b1, y);
     switch (a.M - m) {
-      case 3: rows_mt<BITS, 3, 1, S, UNIFORM>(a, p, m, b0, b1, y); break;
-      case 2: rows_mt<BITS, 2, 2, S, UNIFORM>(a, p, m, b0, b1, y); break;
-      case 1: rows_mt<BITS, 1, V::template NR1<BITS>, S, UNIFORM>(a, p, m, b0, b1, y); break;
+      case 3: rows_mt<BITS, 3, V::template NR<BITS, 3>, S, UNIFORM>(a, p, m, b0, b1, y); break;
+      case 2: rows_mt<BITS, 2, V::template NR<BITS, 2>, S, UNIFORM>(a, p, m, b0, b1, y); break;
+      case 1: rows_mt<BITS, 1, V::template NR<BITS, 1>, S, UNIFORM>(a, p, m, b0, b1, y); break;
       default: break;
     }
   }

@@ -6,9 +6,8 @@
 namespace zoo::portable {
 namespace {
 struct V {
-  template <int BITS>
-  static constexpr int NR1 = 1;
-  static constexpr int NR4 = 1;
+  template <int BITS, int MT>
+  static constexpr int NR = 1;
   static constexpr int L = 1;
   using F = float;
   using I = uint32_t;
