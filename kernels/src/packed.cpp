@@ -229,32 +229,31 @@ static void run_chunk(void* ctx, int chunk) {
   if (n0 < n1) job->run(n0, n1);
 }
 
-// The activations in the kernel's order (see Prepared) and their group sums.
-static void prepare_x(const float* x, int64_t M, int64_t K, int group, int bits, int lanes, std::vector<float>& xp,
-                      std::vector<float>& sums) {
-  const int64_t G = K / group;
-  sums.assign(M * G, 0.0f);
-  for (int64_t m = 0; m < M; ++m)
+// The activations in the kernels' order (see Prepared), zero-padded, and their group sums.
+static Prepared prepare_x(const float* x, int64_t M, const PackedWeights& p, int lanes, std::vector<float>& xp,
+                          std::vector<float>& sums) {
+  const int64_t K = p.K, G = p.groups(), P = 32 / p.bits, block = lanes * P;
+  const int64_t ks = (K + block - 1) / block * block, gs = (G + lanes - 1) / lanes * lanes;
+  sums.assign(M * gs, 0.0f);
+  xp.assign(M * ks, 0.0f);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
     for (int64_t g = 0; g < G; ++g) {
       float s = 0.0f;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) s += x[m * K + k];
-      sums[m * G + g] = s;
+      for (int64_t k = g * p.group; k < (g + 1) * p.group; ++k) s += xm[k];
+      sums[m * gs + g] = s;
     }
-  if (bits != 4 || lanes == 1) return;
-  xp.resize(M * K);
-  const int64_t block = 2 * lanes;
-  for (int64_t m = 0; m < M; ++m)
+    float* out = xp.data() + m * ks;
     for (int64_t b = 0; b < K; b += block)
-      for (int64_t i = 0; i < lanes; ++i) {
-        xp[m * K + b + i] = x[m * K + b + 2 * i];
-        xp[m * K + b + lanes + i] = x[m * K + b + 2 * i + 1];
-      }
+      for (int64_t i = 0; i < lanes && b + i * P < K; ++i)
+        for (int64_t j = 0; j < P; ++j) out[b + j * lanes + i] = xm[b + i * P + j];
+  }
+  return Prepared{xp.data(), sums.data(), M, ks, gs};
 }
 
 static void run_matmul(const float* x, int64_t M, const PackedWeights& p, Isa isa, float* y) {
   std::vector<float> xp, sums;
-  prepare_x(x, M, p.K, p.group, p.bits, isa_lanes(isa), xp, sums);
-  MatmulJob job{{xp.empty() ? x : xp.data(), sums.data(), M}, p, kernels_for(isa).rows, y, chunks_for(p, M)};
+  MatmulJob job{prepare_x(x, M, p, isa_lanes(isa), xp, sums), p, kernels_for(isa).rows, y, chunks_for(p, M)};
   Pool::get().run(job.chunks, run_chunk<MatmulJob>, &job);
 }
 

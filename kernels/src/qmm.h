@@ -38,13 +38,17 @@ struct PackedWeights {
   int64_t groups() const { return K / group; }
 };
 
-// Activations prepared once per call (prepare_x): each row in the kernel's order (4-bit: every
-// block of 2L values stored as its L even-indexed values, then its L odd-indexed ones, L the
-// vector width, so one vector of nibbles meets its values with two plain loads) and their group sums.
+// Activations prepared once per call (prepare_x in packed.cpp) in the kernels' order: the kernels
+// read the weights in blocks of L 32-bit words (L the vector width, P = 32 / bits values a word)
+// and take field j of every word at once, so each block of P L values is stored as its values
+// j, P + j, 2P + j, ... for j = 0 .. P - 1 (no shuffle of the weights then lines them up); rows are
+// zero-padded to whole blocks, and their group sums to whole vectors of L.
 struct Prepared {
-  const float* x;     // [M, K]
-  const float* sums;  // [M, G]
+  const float* x;       // [M, x_stride]
+  const float* sums;    // [M, sums_stride]
   int64_t M;
+  int64_t x_stride;     // K rounded up to a multiple of L * 32 / bits
+  int64_t sums_stride;  // K / group rounded up to a multiple of L
 };
 
 enum class Isa { portable = 0, avx2 = 1, avx512 = 2 };
