@@ -7,13 +7,14 @@
 // picked by the linker for a narrower one.
 //
 // V provides: L (floats a vector), F (the vector), I (L 32-bit words), zero, load, store, set1,
-// fma(a, b, c) = a*b + c, sum (horizontal) and sums<NR> (NR of them, in sum's order), words(p) (4L weight bytes as L words) and
-// words_part(p, n) (the first n words, the rest zero), field<BITS, J>(w) (the J-th BITS-bit field
-// of every word, as floats), load_part, f16_part and bf16_part (n <= L float32, float16 or
-// bfloat16 values as floats, the rest zero; not in the plain C++ build), spread(s, first, P, shift) (lane i = lane (first + i P) >> shift of s: each
-// lane's group), u8(p) and u4n(p, a, b) (L bytes -> L values, 2L nibbles in storage order, for
-// dequantizing), and NR<BITS, MT>, the weight rows a tile of MT activation rows takes (measured
-// on Zen 5: docs/speed.md).
+// fma(a, b, c) = a*b + c, sum (horizontal) and sums<NR> (NR of them, each in sum's order),
+// words(p) (4L weight bytes as L words), words_part(p, n) (the first n words, the rest zero),
+// field<BITS, J>(w) (the J-th BITS-bit field of every word, as floats), load_part, f16_part and
+// bf16_part (n <= L float32, float16 or bfloat16 values as floats, the rest zero; not in the
+// plain C++ build), spread(s, first, P, shift) (lane i: lane (first + i P) >> shift of s, the
+// scale of its group), u8(p) and u4n(p, a, b) (L bytes -> L values, 2L nibbles in storage order,
+// for dequantizing), and NR<BITS, MT>, the weight rows a tile of MT activation rows takes (the
+// fastest measured, docs/speed.md).
 
 namespace {
 
@@ -76,9 +77,8 @@ inline int log2_of(int group) { return group == 32 ? 5 : group == 64 ? 6 : 7; }
 
 // Software prefetch this many bytes of weight rows ahead, one cache line with each block a row
 // reads (and the scales and biases of the rows that far ahead, a tile at a time): a decode
-// product streams each weight once from memory. On the 270M's 8-bit head, one core: hardware
-// prefetchers alone ~9 GB/s; a tile's lines prefetched at once ~12; a line a block 8 KiB ahead
-// ~16 (4 or 16 KiB ~14, into L2 only ~13; a plain read of the same bytes ~24).
+// product streams each weight once from memory, and the hardware prefetchers alone fall far short
+// (docs/speed.md: the distance and the spread were measured).
 constexpr int64_t kPrefetchBytes = 8192;
 
 inline void prefetch(const void* start, int64_t bytes) {
