@@ -23,7 +23,6 @@ attention as one graph node each (``GEMMA_ZOO_DECODE_KERNELS=0`` keeps MLX's ops
 from __future__ import annotations
 
 import math
-import os
 from functools import partial
 
 import zoo_blas  # noqa: F401  (before mlx)

@@ -30,10 +30,15 @@ def install() -> None:
 
 def apply(graph: nn.Module) -> list[str]:
     """``kernels.prefill.Linear`` in place of ``graph``'s float32 ``nn.Linear`` layers but the output
-    head; the note saying what runs (one line, or none off the CPU or with the kernels switched off)."""
+    head; the notes saying what runs (the prefill kernels' line and the decode kernels' line, each
+    left out off the CPU or with its switch off)."""
+    decoding = [
+        f"decode kernels: RMSNorm (+ residual), attention heads, single-query attention, GeGLU gate one graph node "
+        f"each ({decode.SWITCH}=0: MLX's ops)"
+    ] if decode.on() else []  # fmt: skip
     if not prefill.on():
         if prefill.available() or not cpu_math.active():
-            return []
+            return decoding
         return [f"prefill kernels off: the C++ extension is not built ({prefill.status().note})"]
     heads = {id(m.head_module()) for _, m in graph.named_modules() if isinstance(m, VocabularyHead)}
     leaves = tree_flatten(graph.leaf_modules(), is_leaf=nn.Module.is_module)
@@ -44,6 +49,7 @@ def apply(graph: nn.Module) -> list[str]:
     graph.update_modules(tree_unflatten([(path, prefill.Linear.of(m)) for path, m in layers]))
     return [
         f"prefill kernels on both cores: attention, GeGLU gate, RoPE, RMSNorm, {len(layers)} projections of more than "
-        f"{prefill.LINEAR_MIN_ROWS} rows ({prefill.SWITCH}=0: MLX's ops)"
+        f"{prefill.LINEAR_MIN_ROWS} rows ({prefill.SWITCH}=0: MLX's ops)",
+        *decoding,
     ]
 
