@@ -37,9 +37,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 BUILD_FILE = Path(__file__).with_name("_build.json")  # written by setup.py's build step
-# Products of more rows than this dequantize their weight and go through the BLAS: on the 270M's
-# layer shapes the kernel is faster up to 32 rows and about even at 64 (benchmarks.packed_kernels).
-KERNEL_ROWS = 32
+# Products of more rows than this dequantize their weight and go through the prefill GEMM (or the
+# BLAS): on the 270M's layer shapes the kernel is 1.3-5x faster up to 16 rows, even at 24-32 for
+# 4-bit and up to 1.4x slower at 32 for 8-bit (docs/speed.md).
+KERNEL_ROWS = 16
 # The dequantized weight of a many-row product is made in row blocks of at most this many bytes
 # (a 262,144-word head would otherwise take a 671 MB temporary).
 DENSE_BLOCK_BYTES = 64 << 20

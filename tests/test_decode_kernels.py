@@ -142,7 +142,8 @@ def test_gelu_gate_of_a_joined_product_matches_float64(rows, width, isa, seed):
     got = np.array(prefill.gelu_gated(mx.array(joined), None, isa=isa))
     up, gate = joined[..., :width].astype(np.float64), joined[..., width:].astype(np.float64)
     want = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3))) * up
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * max(1.0, np.abs(want).max()))
+    # tanh's absolute error (4e-7) scales with |gate * up| where 1 + tanh cancels (as the prefill kernel's bound)
+    assert np.abs(got - want).max() <= 1e-6 * (np.abs(gate).max() * np.abs(up).max() + 1)
 
 
 @pytest.mark.parametrize(
