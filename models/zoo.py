@@ -10,10 +10,10 @@ from typing import Callable
 from weights.quantize import QuantizationPolicy
 
 
-def _gemma3_270m() -> Path:
+def _gemma3_270m(packed: bool = False) -> Path:
     from models.assets.gemma3_270m import gemma3_270m_folder
 
-    return gemma3_270m_folder()
+    return gemma3_270m_folder(packed=packed)
 
 
 def _gemma3_270m_quantized(bits: int) -> Path:
@@ -56,6 +56,8 @@ ZOO: dict[str, Callable[[], Path]] = {
     # Quantized from it (docs/quantization.md has their quality, docs/speed.md their speed).
     "gemma-3-270m-8bit": partial(_gemma3_270m_quantized, 8),
     "gemma-3-270m-4bit": partial(_gemma3_270m_quantized, 4),
+    # The llama.cpp file's own grid, packed: its Q8_0 / Q5_0 / Q4_K blocks as they are, Q6_K at 8 bits.
+    "gemma-3-270m-q4km": partial(_gemma3_270m, packed=True),
 }
 
 

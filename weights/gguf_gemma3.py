@@ -61,7 +61,13 @@ def hf_tensor_name(gguf_name: str, num_layers: int) -> str:
 
 def from_gguf_values(hf_name: str, array: np.ndarray) -> np.ndarray:
     """Undo llama.cpp's storage of Gemma norms as ``1 + w`` (every ``*norm.weight``, q/k norms included)."""
-    return array - np.float32(1.0) if hf_name.endswith("norm.weight") else array
+    return array if keeps_values(hf_name) else array - np.float32(1.0)
+
+
+def keeps_values(hf_name: str) -> bool:
+    """True when ``from_gguf_values`` leaves the tensor's values as stored (all but the norms), so its
+    quantized blocks can be repacked as they are."""
+    return not hf_name.endswith("norm.weight")
 
 
 def gemma3_text_config(metadata: Mapping[str, Any], vocab_size: int, tied: bool) -> dict[str, Any]:

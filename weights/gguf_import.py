@@ -12,6 +12,11 @@ computes with, and bf16 would round them once more (about 0.4 % relative, up to 
 logits) on top of the quantization, for half the disk. float32 is also the fast path of MLX on CPU.
 ``dtype="bfloat16"`` is there for memory-bound machines.
 
+``packed=True`` writes MLX's quantized layout instead (``weights.gguf_packed``: Q8_0, Q5_0 and
+Q4_K repacked without rounding, other quantized types requantized at 8 bits, group 32), with the
+``quantization`` entry mlx-lm writes and a per-module override for every layer whose bits differ
+from the default 8 (and ``false`` for a float matrix, kept as it is); norms stay float32.
+
 A file gguf-py cannot parse (cut short by an interrupted copy, damaged, or not GGUF at all) raises
 ``GGUFFileError`` naming it, instead of the reader's raw ``IndexError`` / ``ValueError``.
 """
@@ -32,6 +37,7 @@ from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from . import gguf_gemma3
+from .gguf_packed import EXACT_TYPES, FLOAT_TYPES, GROUP, REQUANTIZED_BITS, pack_tensor
 from .gguf_tokenizer import gemma_tokenizer_from_gguf
 from .resolve import remove_stale_staging, staging_name
 
@@ -99,11 +105,13 @@ def convert_gguf(
     dtype: str = "float32",
     progress: bool = True,
     extra_files: dict[str, str | os.PathLike] | None = None,
+    packed: bool = False,
 ) -> Path:
     """Write the Hub-style folder for ``gguf_path`` into ``out_dir`` (which must not exist yet).
 
     ``chat_template`` is attached when the file carries none; ``extra_files`` (``{name: source
-    path}``, e.g. licence notices) are copied in too. The folder appears complete or not at all: it
+    path}``, e.g. licence notices) are copied in too; ``packed`` writes MLX's quantized layout
+    (the float ``dtype`` then applies to the norms only). The folder appears complete or not at all: it
     is assembled next to ``out_dir`` and renamed into place at the end (staging folders that a
     killed earlier run left there are removed first).
     """
@@ -122,13 +130,15 @@ def convert_gguf(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        weights = _weights(reader, metadata, DTYPES[dtype], progress, Path(gguf_path).name)
+        weights, quantization = _weights(reader, metadata, DTYPES[dtype], progress, Path(gguf_path).name, packed)
         vocab_size = int(weights["model.embed_tokens.weight"].shape[0])
         tokens = metadata.get("tokenizer.ggml.tokens", [])
         if len(tokens) != vocab_size:
             raise ValueError(f"GGUF import: token_embd has {vocab_size} rows but the file lists {len(tokens)} tokens")
         config = gguf_gemma3.gemma3_text_config(metadata, vocab_size, tied="lm_head.weight" not in weights)
         config["dtype"] = dtype
+        if quantization:
+            config["quantization"] = config["quantization_config"] = quantization
         mx.save_safetensors(str(staging / WEIGHTS_FILE), weights, metadata={"format": "pt"})
         del weights
         _write_json(staging / "config.json", config)
@@ -143,14 +153,29 @@ def convert_gguf(
     return out_dir
 
 
-def _weights(reader: GGUFReader, metadata: dict, dtype: mx.Dtype, progress: bool, label: str) -> dict[str, mx.array]:
+def _weights(
+    reader: GGUFReader, metadata: dict, dtype: mx.Dtype, progress: bool, label: str, packed: bool
+) -> tuple[dict[str, mx.array], dict[str, Any] | None]:
+    """The folder's tensors by name and, when ``packed``, its ``quantization`` entry."""
     layers = int(metadata.get(f"{gguf_gemma3.ARCHITECTURE}.block_count", 0))
     weights: dict[str, mx.array] = {}
+    quantization: dict[str, Any] = {"group_size": GROUP, "bits": REQUANTIZED_BITS, "mode": "affine"}
     for tensor in tqdm(reader.tensors, desc=f"Converting {label}", unit="tensor", disable=not progress):
         name = gguf_gemma3.hf_tensor_name(tensor.name, layers)
-        weights[name] = mx.array(gguf_gemma3.from_gguf_values(name, dequantize_tensor(tensor))).astype(dtype)
-        mx.eval(weights[name])
-    return weights
+        kind = GGMLQuantizationType(tensor.tensor_type)
+        if packed and kind not in FLOAT_TYPES and gguf_gemma3.keeps_values(name):
+            module = name.removesuffix(".weight")
+            form = pack_tensor(tensor, None if kind in EXACT_TYPES else dequantize_tensor(tensor))
+            new = {f"{module}.weight": form.weight, f"{module}.scales": form.scales, f"{module}.biases": form.biases}
+            if (form.bits, form.group_size) != (REQUANTIZED_BITS, GROUP):
+                quantization[module] = {"group_size": form.group_size, "bits": form.bits}
+        else:
+            new = {name: mx.array(gguf_gemma3.from_gguf_values(name, dequantize_tensor(tensor))).astype(dtype)}
+            if new[name].ndim == 2:  # a float matrix (F16, BF16, F32) stays as stored: say so to the loader
+                quantization[name.removesuffix(".weight")] = False
+        mx.eval(new)
+        weights.update(new)
+    return weights, quantization if packed else None
 
 
 def _write_json(path: Path, value: dict) -> None:

@@ -6,6 +6,10 @@ package's own ``assemble()`` (which checks the sha256 we pin here too), the GGUF
 ``weights.gguf_import`` into a float32 Hub-style folder under the assets cache (``$GEMMA_ZOO_ASSETS``
 or ``.assets/``), and every later call returns that folder without converting again.
 
+``gemma3_270m_folder(packed=True)`` converts the same file into MLX's quantized layout instead
+(``weights.gguf_packed``: the llama.cpp file's own grid, packed for our kernels), for the zoo's
+``gemma-3-270m-q4km``.
+
 It is a base model and its GGUF carries no chat template, so the folder gets none: wrapped in
 the instruction-tuned Gemma 3 turn format it was never trained on, it answers nonsense, while
 as a plain text continuation it answers well. ``ChatSession`` feeds a model without a template
@@ -42,6 +46,8 @@ INSTALL_HINT = (
 # Bump when the converted folder's layout or contents change, so old caches are not reused.
 # v2: no chat template is pasted in (v1 carried Gemma 3's instruction-tuned one).
 FORMAT_VERSION = 2
+# The packed folder's own version (v1: Q8_0 / Q5_0 / Q4_K repacked exactly, Q6_K requantized 8-bit g32).
+PACKED_FORMAT_VERSION = 1
 # The license and provenance files the chunk package bundles, carried into the converted folder.
 NOTICE_FILES = ("GEMMA_TERMS.html", "NOTICE.md", "README.upstream.md")
 # What a converted folder must hold to be used: small JSON files are parsed, tokenizer.json must
@@ -50,13 +56,15 @@ REQUIRED_JSON = ("config.json", "generation_config.json", "tokenizer_config.json
 REQUIRED_FILES = REQUIRED_JSON + ("tokenizer.json", "model.safetensors")
 
 
-def gemma3_270m_folder(progress: bool = True) -> Path:
-    """The converted Gemma 3 270M folder, assembling and converting it on first use.
+def gemma3_270m_folder(progress: bool = True, packed: bool = False) -> Path:
+    """The converted Gemma 3 270M folder (float32, or MLX-packed on the GGUF's grid when ``packed``),
+    assembling and converting it on first use.
 
     Raises ``ModelNotAvailableError`` with the install command when the chunk packages are missing.
     A damaged cached folder is rebuilt (it is ours: nothing else is written under that name).
     """
-    folder = assets_dir() / f"{ZOO_NAME}-f32-v{FORMAT_VERSION}"
+    kind = f"q4km-packed-v{PACKED_FORMAT_VERSION}" if packed else f"f32-v{FORMAT_VERSION}"
+    folder = assets_dir() / f"{ZOO_NAME}-{kind}"
     remove_stale_staging(folder)
     damage = None
     if folder.exists():
@@ -80,7 +88,7 @@ def gemma3_270m_folder(progress: bool = True) -> Path:
         _move_aside(folder)
     print(f"Converting Gemma 3 270M from {gguf.name} into {folder} (once)...", file=sys.stderr)
     try:
-        convert_gguf(gguf, folder, progress=progress, extra_files=_notice_files())
+        convert_gguf(gguf, folder, progress=progress, extra_files=_notice_files(), packed=packed)
     except OSError:
         if folder.exists() and folder_damage(folder) is None:  # another process finished the same conversion first
             return folder
