@@ -22,12 +22,18 @@ from gguf.quants import dequantize, quantize
 import kernels
 import models
 import zoo_switches
+from models.assets.gemma3_270m import gemma3_270m_gguf
+from models.zoo import ZOO
+from weights.gguf_gemma3 import hf_tensor_name
 from weights.gguf_import import convert_gguf, read_gguf
 from weights.gguf_packed import EXACT_TYPES, pack_tensor
 
 transformers = pytest.importorskip("transformers")
 
 from tests.test_gguf_import import CONFIG, _k_quant_bytes, _write_gguf  # noqa: E402
+from tests import quant_tiny as qt  # noqa: E402
+from tests.test_packed_real import _chunked  # noqa: E402
+from tests.test_quantized_weights_real import folder, ids, reference_logits  # noqa: E402,F401  (fixtures)
 
 
 class _Tensor:
@@ -99,8 +105,6 @@ def test_packed_folder_holds_the_gguf_grid_and_loads(folders):
     floats = mx.load(str(dense / "model.safetensors"))
     reader, _ = read_gguf(gguf)
     layers = CONFIG["num_hidden_layers"]
-    from weights.gguf_gemma3 import hf_tensor_name
-
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name, layers)
         module = name.removesuffix(".weight")
@@ -124,3 +128,35 @@ def test_packed_folder_holds_the_gguf_grid_and_loads(folders):
     assert isinstance(loaded.graph.embed_tokens, kernels.PackedEmbedding)
     got = loaded.logits(ids)
     assert float(mx.abs(got - want).max()) <= 0.05 * float(mx.abs(want).max())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.status().available, reason=f"packed kernels unavailable: {kernels.describe()}")
+def test_real_q4_k_m_file_packed_matches_float32(folder, ids, reference_logits, capsys):
+    """The zoo's ``gemma-3-270m-q4km``: every exactly repacked tensor equals the float32 folder's
+    (the GGUF's dequantized values: the embedding, six projections a layer and the nine Q4_K ffn_down), and it loads onto the packed kernels and scores close to float32
+    (only ffn_down's Q6_K layers, requantized at 8 bits, differ)."""
+    packed = ZOO["gemma-3-270m-q4km"]()
+    assert ZOO["gemma-3-270m-q4km"]() == packed and packed.parent == folder.parent
+    stored, floats = mx.load(str(packed / "model.safetensors")), mx.load(str(folder / "model.safetensors"))
+    reader, metadata = read_gguf(gemma3_270m_gguf())
+    exact = 0
+    for tensor in reader.tensors:
+        if Q(tensor.tensor_type) in EXACT_TYPES:
+            name = hf_tensor_name(tensor.name, int(metadata["gemma3.block_count"]))
+            module = name.removesuffix(".weight")
+            bits = 4 if Q(tensor.tensor_type) == Q.Q4_K else 8
+            values = mx.dequantize(stored[name], stored[f"{module}.scales"].astype(mx.float32),
+                                   stored[f"{module}.biases"].astype(mx.float32), group_size=32, bits=bits)  # fmt: skip
+            assert mx.array_equal(values, floats[name]).item(), name
+            exact += 1
+    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT="packed"):
+        model = models.load("gemma-3-270m-q4km", tokenizer=False)
+    assert isinstance(model.graph.embed_tokens, kernels.PackedEmbedding)
+    kl, kl_max, top1 = qt.kl_and_top1(reference_logits, model.logits([ids]))
+    chunked = qt.kl_and_top1(reference_logits, _chunked(model, ids, kernels.KERNEL_ROWS))  # every product in the kernel
+    with capsys.disabled():
+        print(f"\n[gemma-3-270m-q4km] {exact} tensors exact; {len(ids)} positions: KL mean {kl:.5f} max {kl_max:.4f} nats, "
+              f"top-1 {top1:.4f}; in chunks of {kernels.KERNEL_ROWS}: KL mean {chunked[0]:.5f} max {chunked[1]:.4f}, top-1 {chunked[2]:.4f}")  # fmt: skip
+    assert exact == 1 + 18 * 6 + 9 and kl <= 0.01 and top1 >= 0.95
+    assert abs(chunked[0] - kl) <= 1e-4 and abs(chunked[2] - top1) <= 1 / len(ids)
