@@ -80,8 +80,11 @@ def test_other_types_are_requantized_at_8_bits_and_float_tensors_refused():
     values = dequantize(data, Q.Q6_K).reshape(4, 256)
     packed = pack_tensor(_Tensor("blk.0.ffn_down.weight", data, Q.Q6_K), values)
     assert not packed.exact and (packed.bits, packed.group_size) == (8, 32)
+    assert packed.scales.dtype == (mx.float16 if np.abs(values).max() < 60_000 else mx.float32)
     step = (values.reshape(4, -1, 32).max(-1) - values.reshape(4, -1, 32).min(-1)) / 255
     assert (np.abs(np.array(packed.dequantized()) - values).reshape(4, -1, 32).max(-1) <= step).all()  # within one step
+    small = values / np.abs(values).max()  # within float16's range: float16 scales and biases
+    assert pack_tensor(_Tensor("blk.0.ffn_down.weight", data, Q.Q6_K), small).scales.dtype == mx.float16
     with pytest.raises(ValueError, match="'norm' is F32, a float tensor"):
         pack_tensor(_Tensor("norm", np.zeros(4, np.float32), Q.F32))
 

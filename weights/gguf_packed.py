@@ -15,7 +15,9 @@ The scales and biases of Q8_0 and Q5_0 are fp16 numbers times a power of two, so
 in float16; Q4_K's products of an fp16 number and a 6-bit integer need up to 17 significant bits,
 so they are stored in float16 only where every one of them fits, else in float32. Every other
 weight type (Q6_K's 16-value sub-blocks with their own int8 scales do not sit on a 32-group
-grid) is dequantized and requantized by ``mx.quantize`` at 8 bits, group 32, float32 scales.
+grid) is dequantized and requantized by ``mx.quantize`` at 8 bits, group 32, with float16 scales
+and biases (on the 270M's Q6_K layers float32 ones score the same: docs/quantization.md) unless
+they lie past float16's range.
 Float tensors (F32 / F16 / BF16: the norms) are returned as float32 arrays.
 """
 
@@ -66,6 +68,9 @@ def pack_tensor(tensor, dense: np.ndarray | None = None) -> PackedTensor:
         if dense is None:
             raise ValueError(f"GGUF packing: tensor {tensor.name!r} is {kind.name}, requantized from its values: pass them")
         weight, scales, biases = mx.quantize(mx.array(dense, dtype=mx.float32), group_size=GROUP, bits=REQUANTIZED_BITS)
+        widest = max(mx.abs(scales).max().item(), mx.abs(biases).max().item())
+        if widest <= float(np.finfo(np.float16).max):
+            scales, biases = scales.astype(mx.float16), biases.astype(mx.float16)
         return PackedTensor(weight, scales, biases, REQUANTIZED_BITS, GROUP, exact=False)
     block_bytes, block_values, unpack = _FORMATS[kind]
     data = np.asarray(tensor.data, dtype=np.uint8)
