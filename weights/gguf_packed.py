@@ -18,7 +18,8 @@ weight type (Q6_K's 16-value sub-blocks with their own int8 scales do not sit on
 grid) is dequantized and requantized by ``mx.quantize`` at 8 bits, group 32, with float16 scales
 and biases (on the 270M's Q6_K layers float32 ones score the same: docs/quantization.md) unless
 they lie past float16's range.
-Float tensors (F32 / F16 / BF16: the norms) are returned as float32 arrays.
+Float tensors (F32 / F16 / BF16) have nothing to pack and are refused (``convert_gguf`` writes
+them as float arrays).
 """
 
 from __future__ import annotations
