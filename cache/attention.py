@@ -40,10 +40,9 @@ BLOCK_SCORES_UNMASKED = 1 << 18
 def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
     """``softmax(q k^T * scale + mask) v`` with GQA; ``mask`` as ``cache.masks`` builds it."""
     if q.shape[2] == 1:
-        kernels = cpu_math.decode()
-        rows = _query_mask(mask, q.shape[0])
-        if kernels is not None and rows is not False and q.dtype == keys.dtype == values.dtype == mx.float32:
-            return kernels.attention(q, keys, values, _FIRST_ROW, keys.shape[2], scale, rows)
+        out = attend_query_run(q, keys, values, _FIRST_ROW, keys.shape[2], scale, mask)
+        if out is not None:
+            return out
     if q.shape[2] == 1 or not cpu_math.active():
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     kernels = cpu_math.native()
@@ -71,6 +70,17 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) ->
 
 
 _FIRST_ROW = mx.array(0, dtype=mx.int32)
+
+
+def attend_query_run(q: mx.array, keys: mx.array, values: mx.array, start: mx.array, size: int, scale: float, mask):
+    """One float32 query per row over rows ``[start, start + size)`` of ``keys``/``values`` (whole
+    planes, read in place) through the decode kernel (``cpu_math.decode``), or None where it does
+    not run or does not take the read (then the caller attends a slice its own way)."""
+    kernels = cpu_math.decode()
+    if kernels is None or q.shape[2] != 1 or not q.dtype == keys.dtype == values.dtype == mx.float32:
+        return None
+    rows = _query_mask(mask, q.shape[0])
+    return None if rows is False else kernels.attention(q, keys, values, start, size, scale, rows)
 
 
 def _query_mask(mask, batch: int):

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import cpu_math
-from .attention import attend, fold_queries, masked_softmax, unfold_queries
+from .attention import attend, attend_query_run, fold_queries, masked_softmax, unfold_queries
 
 Planes = tuple  # tuple[mx.array, ...], position axis -2
 
@@ -71,10 +70,8 @@ class Dense(Codec):
                    mask) -> mx.array:
         """One float32 query per row on the CPU: the decode kernel reads the run in place (no slice
         of the planes); anything else slices the run and attends it."""
-        kernels = cpu_math.decode()
-        if kernels is not None and q.shape[2] == 1 and q.dtype == keys[0].dtype == values[0].dtype == mx.float32:
-            return kernels.attention(q, keys[0], values[0], start, size, scale, mask)
-        return super().attend_run(q, keys, values, start, size, scale, mask)
+        out = attend_query_run(q, keys[0], values[0], start, size, scale, mask)
+        return out if out is not None else super().attend_run(q, keys, values, start, size, scale, mask)
 
 
 class Quantized(Codec):

@@ -318,8 +318,10 @@ class SelfAttention(nn.Module):
         kernels = cpu_math.decode()
         norms = [self.q_norm] + ([self.k_norm] + ([self.v_norm] if "v_norm" in self else []) if self.owns_kv else [])
         plain_v = "v_norm" not in self or "weight" not in self.v_norm  # the kernel's value norm has no weight
-        one_eps = len({getattr(n, "eps", None) for n in norms} | {getattr(self.q_norm, "eps", None)} - {None}) == 1
-        if kernels is None or x.dtype != mx.float32 or isinstance(offset, tuple) or not plain_v or not one_eps:
+        epsilons = {getattr(n, "eps", None) for n in norms}  # the kernel takes one eps for every norm
+        if kernels is None or x.dtype != mx.float32 or isinstance(offset, tuple) or not plain_v:
+            return None
+        if len(epsilons) != 1 or None in epsilons:
             return None
         if self.fused is not None:
             projected = self.fused.joined(x)
@@ -329,7 +331,7 @@ class SelfAttention(nn.Module):
             projected = mx.concatenate([layer(x) for layer in self.fusable()], axis=-1)
         else:
             projected = self.q_proj(x)
-        weights = [n.get("weight") for n in norms[:2]] + [None] * (2 - min(len(norms), 2))
+        weights = [n.get("weight") for n in norms[:2]] + [None] * (2 - len(norms[:2]))  # q's and k's (none without keys)
         weights = [None if w is None else w.astype(mx.float32) for w in weights]
         return kernels.heads(
             projected, self.num_heads, self.num_kv_heads if self.owns_kv else 0, "v_proj" in self, self.head_dim,

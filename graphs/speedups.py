@@ -46,9 +46,7 @@ def _norm(x: mx.array, weight: mx.array | None, eps: float, plus_one: bool) -> m
     """Gemma's RMSNorm exactly as the graphs compute it: in float32, rounded once to ``x``'s dtype."""
     if weight is not None:
         weight = weight.astype(mx.float32)
-        if plus_one:
-            weight = 1.0 + weight
-    return cpu_math.rms_norm(x, weight, eps)
+    return cpu_math.rms_norm(x, weight, eps, shift=1.0 if plus_one and weight is not None else 0.0)
 
 
 def _norm_rope(x, weight, offset, freqs, eps, plus_one, dims, base):

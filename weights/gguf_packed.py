@@ -114,7 +114,7 @@ def _q4_k(blocks: np.ndarray):
     biases = -(dmin * m.astype(np.float32))
     qs = flat[:, 16:].reshape(-1, 4, 1, 32)  # 32 bytes hold sub-block 2j (low nibbles) and 2j + 1 (high)
     codes = ((qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F).reshape(rows, supers * 256)
-    return codes, _narrowest(scales, biases), _narrowest(biases, scales), 4
+    return codes, *_narrowest(scales, biases), 4
 
 
 def _scaled(d: np.ndarray, factor: int) -> np.ndarray:
@@ -125,12 +125,12 @@ def _scaled(d: np.ndarray, factor: int) -> np.ndarray:
     return product.astype(np.float16)
 
 
-def _narrowest(values: np.ndarray, partner: np.ndarray) -> np.ndarray:
-    """``values`` in float16 when it and its ``partner`` (scales and biases share one dtype) are all exact there."""
-    both = np.concatenate([values.ravel(), partner.ravel()])
+def _narrowest(scales: np.ndarray, biases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Scales and biases (one dtype for both) in float16 when every one of them is exact there, else as given."""
+    both = np.concatenate([scales.ravel(), biases.ravel()])
     with np.errstate(over="ignore"):  # past float16's range: inf, not equal, so float32
         exact = np.array_equal(both.astype(np.float16).astype(np.float32), both)
-    return values.astype(np.float16) if exact else values
+    return (scales.astype(np.float16), biases.astype(np.float16)) if exact else (scales, biases)
 
 
 def _pack_codes(codes: np.ndarray, bits: int) -> mx.array:

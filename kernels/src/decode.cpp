@@ -138,22 +138,13 @@ void DecodeHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx:
   encoder.dispatch([inputs, kn = vector_kernels(isa_), B = static_cast<int64_t>(inputs[0].shape(0)), H, Hkv, D, has_v,
                     v_norm, shift, eps, q_weighted, k_weighted, q = outputs[0].data<float>(),
                     k = Hkv > 0 ? outputs[1].data<float>() : nullptr, v = Hkv > 0 ? outputs[2].data<float>() : nullptr]() {
-    std::vector<float> xc, cc, sc, qc, kc;
+    std::vector<float> xc, cc, sc, qc, kc, q_shifted, k_shifted, scratch(D);
     const float* x = dense(inputs[0], xc);
     const float* cos = dense(inputs[1], cc);
     const float* sin = dense(inputs[2], sc);
-    const float* qw = q_weighted ? dense(inputs[3], qc) : nullptr;
-    const float* kw = k_weighted ? dense(inputs[q_weighted ? 4 : 3], kc) : nullptr;
-    std::vector<float> scratch(3 * D);
+    const float* wq = q_weighted ? shifted(dense(inputs[3], qc), D, shift, q_shifted) : nullptr;
+    const float* wk = k_weighted ? shifted(dense(inputs[q_weighted ? 4 : 3], kc), D, shift, k_shifted) : nullptr;
     float* row = scratch.data();
-    const float* wq = qw;
-    const float* wk = kw;
-    if (shift != 0.0f) {  // Gemma 2/3's 1 + weight, made once a call
-      for (int64_t d = 0; d < D && qw; ++d) scratch[D + d] = qw[d] + shift;
-      for (int64_t d = 0; d < D && kw; ++d) scratch[2 * D + d] = kw[d] + shift;
-      wq = qw ? scratch.data() + D : nullptr;
-      wk = kw ? scratch.data() + 2 * D : nullptr;
-    }
     const int64_t width = (H + Hkv * (has_v ? 2 : 1)) * D;
     for (int64_t b = 0; b < B; ++b) {
       const float* xb = x + b * width;

@@ -444,15 +444,10 @@ void RmsNorm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
                     job = NormJob{vector_kernels(isa_), nullptr, nullptr, nullptr, out.data<float>(), rows, D, settings_[0],
                                   row_chunks(rows, D)}]() mutable {
     if (job.rows == 0) return;
-    std::vector<float> x, w, residual;
+    std::vector<float> x, w, w_shifted, residual;
     job.x = dense(inputs[0], x);
-    if (weighted) job.w = dense(inputs[1], w);
+    if (weighted) job.w = shifted(dense(inputs[1], w), job.D, shift, w_shifted);
     if (with_residual) job.residual = dense(inputs.back(), residual);
-    if (job.w && shift != 0.0f) {  // Gemma 2/3's 1 + weight, made once a call
-      if (w.empty()) w.assign(job.w, job.w + job.D);
-      for (auto& v : w) v += shift;
-      job.w = w.data();
-    }
     parallel_chunks(job.chunks, norm_chunk, &job);
   });
 }

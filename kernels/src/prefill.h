@@ -110,6 +110,14 @@ const T* dense(const mx::array& a, std::vector<T>& copy) {
   for (size_t i = 0; i < a.size(); ++i) copy[i] = data[mx::elem_to_loc(static_cast<int64_t>(i), a.shape(), a.strides())];
   return copy.data();
 }
+// A norm's weight as the kernels multiply by it: ``w`` itself, or ``w + shift`` (Gemma 2/3's
+// ``1 + weight``) made once a call in ``out``; a null weight stays null.
+inline const float* shifted(const float* w, int64_t D, float shift, std::vector<float>& out) {
+  if (!w || shift == 0.0f) return w;
+  out.resize(D);
+  for (int64_t d = 0; d < D; ++d) out[d] = w[d] + shift;
+  return out.data();
+}
 // The output allocated and the encoder of the primitive's stream told what it reads and writes.
 mx::cpu::CommandEncoder& output_encoder(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out);
 
