@@ -1,22 +1,19 @@
-"""Build hooks: ``zoo_blas``'s import hook (a ``.pth`` file) and the packed-weight kernels; the rest is pyproject.toml.
+"""Build step: the zoo's C++ extension for MLX's CPU build; the rest is pyproject.toml.
 
-The file lets ``import mlx.core`` come before ``import models`` and still get the fast CPU BLAS
-(see ``zoo_blas``'s docstring). Its line comes from ``zoo_blas.HOOK_FILE`` / ``pth_line()``, read
-from the source without importing the module (importing it would load the BLAS into the build).
-
-The kernels (``kernels._packed``, C++ in ``kernels/src``) are an MLX extension built with CMake and
-nanobind against the MLX of the build environment, which ``pyproject.toml`` pins to the MLX the
-package runs with (the extension calls into ``libmlx.so``, whose C++ ABI changes between
-releases). They are built on Linux x86-64 only; anywhere else, or when the build cannot run (no
-C++ compiler, no CMake, a compile error), the package installs without them and
-``kernels/_build.json`` records why, which ``--verbose`` prints (``kernels.describe()``).
+The extension (``zoo_cpu._packed``, C++ in ``zoo_cpu/src``) is built with CMake and nanobind
+against the MLX of the build environment (the newest release ``pyproject.toml`` allows, which is
+what the same install resolves for the package itself). It calls into ``libmlx.so``, whose C++ ABI
+changes between releases, so the build records that MLX's version in ``zoo_cpu/_build.json``; at
+run time ``zoo_cpu.extension`` loads it only under the same MLX and otherwise says why and how to
+rebuild. It is built on Linux x86-64 only; anywhere else, or when the build cannot run (no C++
+compiler, no CMake, a compile error), the package installs without it and ``_build.json`` records
+why, which ``--verbose`` prints.
 
 A wheel (``pip install .``) takes it from ``build_lib``. A PEP 660 editable wheel
-(``pip install -e .``) is made from an unpacked folder that setuptools passes to ``install`` as
-``install_lib`` (files left in ``build_lib`` are dropped there), so in editable mode it goes there.
+(``pip install -e .``) is made from an unpacked folder (files left in ``build_lib`` are dropped
+there), so in editable mode it is copied into the source folder.
 """
 
-import ast
 import json
 import os
 import platform
@@ -28,52 +25,12 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
-from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 
 
-def hook_file() -> tuple[str, str]:
-    """``(file name, line)`` of the import hook, from ``zoo_blas.py``'s definitions."""
-    tree = ast.parse((ROOT / "zoo_blas.py").read_text(encoding="utf-8"))
-    wanted = {"HOOK_FILE", "HOOK_SOURCE", "pth_line"}
-    nodes = [
-        node for node in tree.body
-        if (isinstance(node, ast.Assign) and {getattr(t, "id", None) for t in node.targets} & wanted)
-        or (isinstance(node, ast.FunctionDef) and node.name in wanted)
-    ]
-    scope: dict = {}
-    exec(compile(ast.Module(body=nodes, type_ignores=[]), "zoo_blas.py", "exec"), scope)
-    return scope["HOOK_FILE"], scope["pth_line"]()
-
-
-class BuildPyWithHook(build_py):
-    """``build_py``, plus the import hook's ``.pth`` at the root of the (editable or regular) wheel."""
-
-    def run(self):
-        super().run()
-        name, line = hook_file()
-        folder = self._hook_folder()
-        if folder is None:
-            self.warn(f"no folder for {name}: the zoo's BLAS import hook is not installed")
-            return
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        Path(folder, name).write_text(line, encoding="utf-8")
-
-    def get_outputs(self, include_bytecode=True):
-        outputs = super().get_outputs(include_bytecode)
-        if not getattr(self, "editable_mode", False):
-            outputs.append(str(Path(self.build_lib, hook_file()[0])))
-        return outputs
-
-    def _hook_folder(self):
-        if getattr(self, "editable_mode", False):
-            return self.get_finalized_command("install").install_lib
-        return self.build_lib
-
-
-KERNELS = "kernels._packed"
-KERNELS_SOURCE = ROOT / "kernels" / "src"
+KERNELS = "zoo_cpu._packed"
+KERNELS_SOURCE = ROOT / "zoo_cpu" / "src"
 BUILD_FILE = "_build.json"
 
 
@@ -112,14 +69,14 @@ class BuildKernels(build_ext):
         if reason is None:
             reason = self._cmake(ext, out)
         if reason is not None:
-            self.warn(f"the packed-weight kernels are not built: {reason}; quantized layers on the CPU are dequantized")
+            self.warn(f"the zoo's C++ kernels are not built: {reason}; MLX's own ops run instead")
         info = {"built": reason is None, "reason": reason, "mlx": version_of("mlx-cpu"), "nanobind": version_of("nanobind")}
         (out / BUILD_FILE).write_text(json.dumps(info, indent=1) + "\n", encoding="utf-8")
 
     def _cmake(self, ext, out: Path) -> str | None:
         # The build environment's (pinned) MLX: its headers, libmlx.so and CMake config.
         mlx_root = Path(metadata.distribution("mlx-cpu").locate_file("mlx")).resolve()
-        build = Path(self.build_temp).resolve() / "kernels"
+        build = Path(self.build_temp).resolve() / "zoo_cpu"
         build.mkdir(parents=True, exist_ok=True)
         configure = [
             "cmake", "-S", str(KERNELS_SOURCE), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
@@ -142,7 +99,7 @@ class BuildKernels(build_ext):
         return [p for p in (built, built.with_name(BUILD_FILE)) if p.is_file()]
 
     def copy_extensions_to_source(self):
-        """Editable installs: the extension (when built) and its build record into ``kernels/``."""
+        """Editable installs: the extension (when built) and its build record into ``zoo_cpu/``."""
         for ext in self.extensions:
             target = ROOT / Path(*ext.name.split(".")[:-1])
             for path in self._built(ext):
@@ -153,6 +110,6 @@ class BuildKernels(build_ext):
 
 
 setup(
-    cmdclass={"build_py": BuildPyWithHook, "build_ext": BuildKernels},
+    cmdclass={"build_ext": BuildKernels},
     ext_modules=[Extension(KERNELS, sources=[])],
 )

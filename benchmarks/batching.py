@@ -62,7 +62,7 @@ def run_ours(folder: str, batch: int, length: int, gen: int) -> dict:
 
 
 def run_mlx_lm(folder: str, batch: int, length: int, gen: int) -> dict:
-    import zoo_blas  # noqa: F401  (the same BLAS as ours, before MLX)
+    import zoo_cpu  # noqa: F401  (the same BLAS as ours, before MLX)
 
     import mlx.core as mx
     from mlx_lm.generate import BatchGenerator

@@ -1,6 +1,6 @@
 """What a decode switch buys, the step with it off and on in turn, in one process: by default the
 decode step compiled whole (``graphs.decode_step``), or ``--switch GEMMA_ZOO_DECODE_KERNELS`` (the
-decode kernels, ``kernels.decode``).
+decode kernels, ``zoo_cpu.decode``).
 
     python -m benchmarks.compiled_step                                  # the 270M: float32, 8-bit, 4-bit
     python -m benchmarks.compiled_step --models e2b,e2b-8bit --rounds 5  # the E2B-shaped Gemma 4 of benchmarks.speed
@@ -22,11 +22,11 @@ import argparse
 import os
 from pathlib import Path
 
-import zoo_blas  # noqa: F401  (before mlx)
+import zoo_cpu  # noqa: F401  (before mlx)
 
 import models
-import zoo_switches
 from benchmarks.speed import cell, gemma4_folder, prompt_ids, quantized_folder, run_ours
+from zoo_cpu import switches
 
 E2B = {"e2b": None, "e2b-8bit": 8, "e2b-4bit": 4}  # quantized under the zoo's policy for those bits
 
@@ -45,7 +45,7 @@ SWITCHES = ("GEMMA_ZOO_COMPILE_STEP", "GEMMA_ZOO_DECODE_KERNELS")
 
 def decode(model, prompt: list[int], gen: int, switch: str, on: bool) -> tuple[float, list[int]]:
     """Tokens per second after the first token, and the ids."""
-    with zoo_switches.override(**{switch: on}):
+    with switches.override(**{switch: on}):
         _, rest, ids = run_ours({"model": model}, prompt, gen)
         return (len(ids) - 1) / rest, ids
 

@@ -113,7 +113,7 @@ def run_mlx_lm(model, prompt: list[int], gen: int) -> tuple[float, float, list[i
 
 
 def child(which: str, path: str, n_prompt: int, gen: int, runs: int) -> None:
-    import zoo_blas  # noqa: F401  (the same BLAS for both stacks, loaded before MLX)
+    import zoo_cpu  # noqa: F401  (the same BLAS for both stacks, loaded before MLX)
 
     import models  # noqa: F401  (before mlx.core, as the package asks)
 

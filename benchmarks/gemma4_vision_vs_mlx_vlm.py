@@ -38,7 +38,7 @@ full-attention layers' masks too, where transformers keeps full layers causal, s
 weights the greedy tokens differ; the mlx-vlm child therefore also reruns its greedy tokens (untimed,
 after the timed runs) with the overlay kept to the sliding layers, which should agree with ours.
 
-Both children load the same BLAS (``zoo_blas.preload()`` before MLX, when that module is present;
+Both children load the same BLAS (``zoo_cpu.blas.preload()`` before MLX, when that module is present;
 ``GEMMA_ZOO_BLAS=off`` gives MLX's bundled reference BLAS to both). mlx-vlm is imported from the
 environment or from ``--mlx-vlm-path`` (``pip install --no-deps --target DIR mlx-vlm==0.7.10``; the
 packages its import needs, transformers, Pillow, requests and the like, were already installed here).
@@ -211,9 +211,9 @@ def child(which: str, path: str, text: str, photo: str, budget: int) -> None:
     ``run N`` (one run with N greedy tokens after the first), ``reset`` (peak memory), ``check``
     (mlx-vlm: greedy tokens again under transformers' overlay rule) and ``done`` (the summary)."""
     try:
-        import zoo_blas  # noqa: F401  (before mlx; both children alike)
+        import zoo_cpu  # noqa: F401  (before mlx; both children alike)
 
-        blas = zoo_blas.describe()
+        blas = zoo_cpu.blas.describe()
     except ImportError:
         blas = "BLAS: MLX's bundled one (zoo_blas not present)"
     import mlx.core as mx

@@ -61,7 +61,7 @@ def run_mlx_lm(path: str, prompt: list[int], gen: int, bits: int | None):
 
 
 def child(which: str, path: str, n_prompt: int, gen: int, runs: int, bits: int | None) -> None:
-    import zoo_blas  # noqa: F401  (the same BLAS for both stacks, loaded before MLX)
+    import zoo_cpu  # noqa: F401  (the same BLAS for both stacks, loaded before MLX)
 
     import numpy as np
 

@@ -7,8 +7,8 @@ For each weight shape ``N x K`` (output x input; the 270M's head, MLP and attent
 bits (8, 4) and rows of ``x``: milliseconds per product (median of ``--repeats``, each timing
 ``--batch`` products evaluated together, so the per-call overhead of a Python loop is shared) for
 
-- ``kernel``: ``kernels.packed_matmul`` (what ``PackedLinear`` uses up to ``KERNEL_ROWS`` rows);
-- ``dequant+BLAS``: ``x @ kernels.packed_dequantize(...).T`` (what it uses above);
+- ``kernel``: ``zoo_packed.packed_matmul`` (what ``PackedLinear`` uses up to ``KERNEL_ROWS`` rows);
+- ``dequant+BLAS``: ``x @ zoo_packed.packed_dequantize(...).T`` (what it uses above);
 - ``fp32 BLAS``: ``x @ W.T`` with the float32 weight stored transposed (the float32 model's path);
 - ``MLX qmm``: ``mx.quantized_matmul`` with float32 scales (MLX's own CPU kernel);
 
@@ -23,11 +23,11 @@ import argparse
 import statistics
 import time
 
-import zoo_blas  # noqa: F401  (before mlx)
+import zoo_cpu  # noqa: F401  (before mlx)
 
 import mlx.core as mx
 
-import kernels
+from zoo_cpu import extension, packed as zoo_packed
 
 SHAPES = "262144x640,2048x640,640x2048,1024x640,256x640,640x1024"
 
@@ -52,13 +52,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--mlx-qmm-rows", type=int, default=4, help="time MLX's quantized matmul up to this many rows (slow)")
     args = parser.parse_args()
-    status = kernels.status()
+    status = extension.status()
     if not status.available:
-        raise SystemExit(kernels.describe())
+        raise SystemExit(extension.describe())
     module = status.module
     all_threads = module.threads()
     thread_counts = [int(t) for t in args.threads.split(",") if t] or [all_threads]
-    print(f"{kernels.describe()}; {zoo_blas.describe()}")
+    print(f"{extension.describe()}; {zoo_cpu.blas.describe()}")
     print("| N x K | bits | rows | threads | kernel ms | kernel GB/s | dequant+BLAS ms | fp32 BLAS ms | MLX qmm ms |")
     print("|---|---|---|---|---|---|---|---|---|")
     for shape in args.shapes.split(","):
@@ -75,14 +75,14 @@ def main() -> None:
                 mx.eval(x)
                 # few repeats of the big products: each already takes tens of milliseconds
                 batch = max(1, min(20, int(2e7 // (N * K * max(rows, 4) // 4 + 1))))
-                dense = timed(lambda: x @ kernels.packed_dequantize(w, s, b, 64, bits).T, batch, args.repeats)
+                dense = timed(lambda: x @ zoo_packed.packed_dequantize(w, s, b, 64, bits).T, batch, args.repeats)
                 fp32 = timed(lambda: x @ transposed, batch, args.repeats)
                 qmm = "-"
                 if rows <= args.mlx_qmm_rows:
                     qmm = f"{1e3 * timed(lambda: mx.quantized_matmul(x, w, s, b, group_size=64, bits=bits), 1, 3):.3f}"
                 for threads in thread_counts:
                     module.set_threads(threads)
-                    kernel = timed(lambda: kernels.packed_matmul(x, w, s, b, 64, bits), batch, args.repeats)
+                    kernel = timed(lambda: zoo_packed.packed_matmul(x, w, s, b, 64, bits), batch, args.repeats)
                     print(
                         f"| {N} x {K} | {bits} | {rows} | {threads} | {1e3 * kernel:.3f} | {nbytes / kernel / 1e9:.1f} | "
                         f"{1e3 * dense:.3f} | {1e3 * fp32:.3f} | {qmm} |",

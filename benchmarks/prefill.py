@@ -36,7 +36,7 @@ GEMMA3 = ("gemma-3-270m", "gemma-3-270m-8bit", "gemma-3-270m-4bit")
 
 class Ours:
     """One of our stacks: a zoo name or folder loaded as users load it; ``switches`` are in effect
-    (``zoo_switches.override``) during its runs."""
+    (``switches.override``) during its runs."""
 
     def __init__(self, name: str, label: str, switches: dict[str, str] | None = None, model=None):
         import models
@@ -46,10 +46,10 @@ class Ours:
         self.model = model or models.load(str(zoo_folder(name) or name), tokenizer=False)
 
     def run(self, prompt: list[int]) -> float:
-        import zoo_switches
+        from zoo_cpu import switches
         from models.generation.generate import prefill
 
-        with zoo_switches.override(**self.switches):
+        with switches.override(**self.switches):
             start = time.perf_counter()
             prefill(self.model.forward, prompt, self.model.make_cache())
             return time.perf_counter() - start

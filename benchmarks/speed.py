@@ -197,7 +197,7 @@ def check_clean(stack: str) -> None:
 def setup(stack: str, folder: Path, options: dict) -> dict:
     """A stack loaded from ``folder`` (llama.cpp: the GGUF file) and ready to ``run``."""
     if stack in ("ours", *QUANTIZED):
-        import zoo_blas
+        import zoo_cpu
 
         import mlx.core as mx
         import models
@@ -215,14 +215,14 @@ def setup(stack: str, folder: Path, options: dict) -> dict:
 
         nbytes = sum(a.nbytes for k, a in tree_flatten(graph.parameters()) if "embed_tokens_per_layer" not in k)
         dtype = graph.embed_tokens.get("scales", graph.embed_tokens.weight).dtype if "embed_tokens" in graph else mx.float32
-        blas = zoo_blas.info()
+        blas = zoo_cpu.blas.info()
         notes = [f"{blas['name']} {blas['version'] or ''}".strip(), model.precision.describe().split(" (")[0],
                  *(n.split(" (")[0].split(":")[0] for n in model.device_notes)]
         return {"model": model, "overlap": options.get("overlap"), "weight_bytes": nbytes,
                 "item_bytes": dtype.size, "notes": "; ".join(notes)}  # fmt: skip
     if stack in ("mlx-lm stock", "mlx-lm + BLAS"):
         if stack == "mlx-lm + BLAS":
-            import zoo_blas  # noqa: F401  (before mlx, as ours)
+            import zoo_cpu  # noqa: F401  (before mlx, as ours)
         import mlx.core as mx
         from mlx.utils import tree_flatten
         from mlx_lm.utils import load_model

@@ -8,7 +8,7 @@ the per-graph reads (``decode``, ``window``, ``vision_prefill``, ``encoder``, ``
 ``CacheSpec`` of each layer. ``batch_caches`` groups conversations' caches into one ragged batch.
 """
 
-import zoo_blas  # noqa: F401  (first: loads a fast BLAS before anything imports MLX; see zoo_blas.py)
+import zoo_cpu  # noqa: F401  (first: loads a fast BLAS before anything imports MLX; see zoo_cpu/blas.py)
 
 from .base import AttentionCache, MediaSplitError, SharedView, same_offset
 from .batch import BatchCache, BatchSharedView, advance, batch_caches

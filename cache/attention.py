@@ -3,17 +3,17 @@
 On a GPU (and with ``GEMMA_ZOO_FAST_MATH=0``) attention is MLX's fused kernel. On the CPU that
 kernel falls back to matmuls around ``mx.softmax``, whose ``exp`` is a scalar loop; there
 ``attend`` runs the same products itself, with GQA folded into rows (one product per kv head, the
-stored keys never broadcast) and ``cache.cpu_math.softmax``, in blocks of queries
+stored keys never broadcast) and ``zoo_cpu.fast_math.softmax``, in blocks of queries
 (``BLOCK_SCORES``; a causal block skips the keys after its last query). An unmasked read (the
 vision tower's bidirectional image, an encoder read) runs one kv head at a time in blocks of at
 most ``BLOCK_SCORES_UNMASKED`` scores: with no mask to slice, a block can hold many more queries of
 one head than of all heads together, so the products are larger and there are fewer of them
 (measured faster than both the all-heads blocks and MLX's fused kernel at vision-tower budgets
 70 to 560 soft tokens, and than the all-heads blocks at 1120). A single query (decode) keeps MLX's kernel, which is the faster
-of the two there. Where the zoo's C++ extension is built (``cache.cpu_math.native``), float32
+of the two there. Where the backend runs the zoo's C++ kernels (``zoo_cpu.backend``), float32
 queries of a chunk go instead through its fused attention: per block of 32 query rows of one head,
 the scores, masked softmax and product with the values on both cores, the blocks above unused;
-and a single float32 query through its decode attention (``cache.cpu_math.decode``: one node).
+and a single float32 query through its decode attention (``zoo_cpu.decode``: one node).
 ``docs/speed.md`` has the measurements.
 """
 
@@ -24,7 +24,7 @@ import numbers
 
 import mlx.core as mx
 
-from . import cpu_math
+from zoo_cpu import backend, decode, fast_math, prefill
 
 
 # Scores per block of queries on the CPU: MLX's CPU kernels slow down sharply on arrays past about
@@ -43,11 +43,11 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) ->
         out = attend_query_run(q, keys, values, _FIRST_ROW, keys.shape[2], scale, mask)
         if out is not None:
             return out
-    if q.shape[2] == 1 or not cpu_math.active():
+    chosen = backend.active()
+    if q.shape[2] == 1 or not chosen.fast_math:
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    kernels = cpu_math.native()
-    if kernels is not None and kernels.takes(q, keys, values, mask):
-        return kernels.attention(q, keys, values, scale, mask)
+    if chosen.prefill and prefill.takes(q, keys, values, mask):
+        return prefill.attention(q, keys, values, scale, mask)
     if mask is None:
         return _attend_unmasked(q, keys, values, scale)
     B, Hq, L, _ = q.shape
@@ -74,13 +74,12 @@ _FIRST_ROW = mx.array(0, dtype=mx.int32)
 
 def attend_query_run(q: mx.array, keys: mx.array, values: mx.array, start: mx.array, size: int, scale: float, mask):
     """One float32 query per row over rows ``[start, start + size)`` of ``keys``/``values`` (whole
-    planes, read in place) through the decode kernel (``cpu_math.decode``), or None where it does
-    not run or does not take the read (then the caller attends a slice its own way)."""
-    kernels = cpu_math.decode()
-    if kernels is None or q.shape[2] != 1 or not q.dtype == keys.dtype == values.dtype == mx.float32:
+    planes, read in place) through the decode kernel (``zoo_cpu.decode``), or None where the backend
+    does not run it or it does not take the read (then the caller attends a slice its own way)."""
+    if not backend.active().decode or q.shape[2] != 1 or not q.dtype == keys.dtype == values.dtype == mx.float32:
         return None
     rows = _query_mask(mask, q.shape[0])
-    return None if rows is False else kernels.attention(q, keys, values, start, size, scale, rows)
+    return None if rows is False else decode.attention(q, keys, values, start, size, scale, rows)
 
 
 def _query_mask(mask, batch: int):
@@ -108,7 +107,7 @@ def _attend_unmasked(q: mx.array, keys: mx.array, values: mx.array, scale: float
         k_t, v = keys[:, h : h + 1].swapaxes(-1, -2), values[:, h : h + 1]
         outs = []
         for start in range(0, rows.shape[2], block):
-            probs = cpu_math.softmax(rows[:, h : h + 1, start : start + block] @ k_t)
+            probs = fast_math.softmax(rows[:, h : h + 1, start : start + block] @ k_t)
             outs.append(probs.astype(q.dtype) @ v)
         heads.append(outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2))
     return unfold_queries(heads[0] if Hkv == 1 else mx.concatenate(heads, axis=1), q.shape[1])
@@ -146,7 +145,7 @@ def masked_softmax(scores: mx.array, mask, L: int) -> mx.array:
         if mask.ndim == 4:  # [B, 1, L, T] -> [B, 1, 1, L, T]
             mask = mask[:, :, None]
         scores = mx.where(mask, scores.reshape(B, Hkv, rows // L, L, T), -mx.inf).reshape(B, Hkv, rows, T)
-    softmax = cpu_math.softmax if cpu_math.active() else lambda s: mx.softmax(s, axis=-1)
+    softmax = fast_math.softmax if fast_math.active() else lambda s: mx.softmax(s, axis=-1)
     return softmax(scores)
 
 

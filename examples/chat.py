@@ -265,9 +265,9 @@ def load_model(args: argparse.Namespace):
 def describe_setup(model) -> str:
     """What ``--verbose`` says about the compute: device, BLAS, precision, what loading changed for the device."""
     import mlx.core as mx
-    import zoo_blas
+    import zoo_cpu
 
-    parts = [f"device: {mx.default_device()}", zoo_blas.describe()]
+    parts = [f"device: {mx.default_device()}", zoo_cpu.blas.describe()]
     precision = getattr(model, "precision", None)
     if precision is not None:
         parts.append(precision.describe())

@@ -1,7 +1,7 @@
 """The decode step of a text graph compiled whole: one ``mx.compile`` over every layer, every token.
 
 A decode step is ~2,150 small MLX graph nodes (the 270M's; ~350 with the decode kernels of
-``kernels.decode``) built through Python each token; compiled, the trace is replayed (element-wise
+``zoo_cpu.decode``) built through Python each token; compiled, the trace is replayed (element-wise
 chains fused, no Python per op). One trace stays valid for every token because nothing
 position-dependent is a Python int inside it: the caches' write rows, read starts and the RoPE
 offset are arrays (``cache.positioned``), and what does change a trace (buffer shapes, which
@@ -21,9 +21,10 @@ import operator
 import mlx.core as mx
 import mlx.nn as nn
 
-from cache import KINDS, CacheSpec, SharedView, cpu_math
+from cache import KINDS, CacheSpec, SharedView
 from cache.codecs import Dense, Quantized
 from cache.positioned import PositionedCache
+from zoo_cpu import backend
 
 OWNING_KINDS = tuple(KINDS.values())
 
@@ -65,8 +66,8 @@ class CompiledDecode:
             layout.append(("own", owner.kind, owner.sliding_window, bits, group, run.size, run.masked, where))
         planes = [(run.keys, run.values) for run in runs]
         offset = mx.array(owners[0].offset, dtype=mx.int32)
-        kernels = (cpu_math.active(), cpu_math.native() is not None, cpu_math.decode() is not None)  # switches a trace bakes in
-        logits, written = self._compiled(ids, offset, mx.array(positions, dtype=mx.int32), planes, tuple(layout), kernels)
+        chosen = tuple(vars(backend.active()).values())  # part of the trace's key: another backend traces anew
+        logits, written = self._compiled(ids, offset, mx.array(positions, dtype=mx.int32), planes, tuple(layout), chosen)
         for owner, (keys, values) in zip(owners, written):
             owner.commit_decode(keys, values)
         return logits
@@ -75,9 +76,9 @@ class CompiledDecode:
         modules, names, values = self._weights
         return all(map(operator.is_, map(dict.get, modules, names), values))
 
-    def _step(self, ids, offset, positions, planes, layout, kernels):
+    def _step(self, ids, offset, positions, planes, layout, chosen):
         """The traced function: stand-in caches around the planes, the graph's forward on them
-        (``kernels``: which CPU kernels ran when it was traced, so a change of switch traces anew)."""
+        (``chosen``: the fields of the ``zoo_cpu.backend`` it was traced under, so another backend traces anew)."""
         caches, stand_ins = [], []
         owned = iter(planes)
         for entry in layout:

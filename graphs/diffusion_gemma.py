@@ -31,9 +31,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from cache import KVCache, Read, RotatingKVCache, cpu_math
+from cache import KVCache, Read, RotatingKVCache
+
 from graphs.diffusion_gemma_config import DiffusionGemmaConfig
 from graphs.gemma4_text_config import SLIDING
+from zoo_cpu import fast_math
 
 from .gemma4_text import DecoderLayer
 from .gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower, encode_images, image_blocks, place_image_features
@@ -154,7 +156,7 @@ class DiffusionGemmaModel(VocabularyHead, CheckedCaches, nn.Module):
         The softmax runs in float32 and is rounded to the embedding dtype before the product, as
         in the reference."""
         table = self.embed_tokens
-        probs = cpu_math.softmax(logits).astype(float_dtype(table))
+        probs = fast_math.softmax(logits).astype(float_dtype(table))
         if "scales" in table:  # a quantized table: the same product on the packed rows
             expected = mx.quantized_matmul(
                 probs, table.weight, table.scales, table.get("biases"), transpose=False,

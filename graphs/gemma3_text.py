@@ -15,12 +15,13 @@ from typing import Any, Mapping
 import mlx.core as mx
 import mlx.nn as nn
 
-from cache import KVCache, Read, RotatingKVCache, cpu_math
+from cache import KVCache, Read, RotatingKVCache
+
 from graphs.gemma3_text_config import SLIDING, Gemma3TextConfig
+from zoo_cpu import fast_math
 
 from .layers import CheckedCaches, GeGLUMLP, RoPE, SelfAttention, float_dtype, softcap
 from .speedups import VocabularyHead
-
 
 
 class GemmaRMSNorm(nn.Module):
@@ -37,7 +38,7 @@ class GemmaRMSNorm(nn.Module):
 
     def __call__(self, x: mx.array, residual: mx.array | None = None) -> mx.array:
         """The norm of ``x``, added to ``residual`` when given (one kernel node on the CPU)."""
-        return cpu_math.rms_norm(x, self.weight.astype(mx.float32), self.eps, shift=1.0, residual=residual)
+        return fast_math.rms_norm(x, self.weight.astype(mx.float32), self.eps, shift=1.0, residual=residual)
 
 
 def shared_rope(head_dim: int, params: Mapping[str, Any]) -> RoPE:

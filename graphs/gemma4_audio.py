@@ -28,10 +28,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from cache import cpu_math
 from graphs.gemma4_audio_config import FEATURE_SIZE, Gemma4AudioConfig
 from graphs.gemma4_vision import ClippableLinear
 from graphs.layers import RMSNorm
+from zoo_cpu import fast_math
 
 
 @mx.compile
@@ -40,12 +40,12 @@ def _over_one_plus(x: mx.array, e: mx.array) -> mx.array:
 
 
 def _sigmoid_times(x: mx.array, y: mx.array) -> mx.array:
-    """``y * sigmoid(x)``: on the CPU with ``cache.cpu_math``'s vectorised ``exp`` (MLX's CPU
+    """``y * sigmoid(x)``: on the CPU with ``zoo_cpu.fast_math``'s vectorised ``exp`` (MLX's CPU
     ``sigmoid`` is a scalar loop; the SiLUs and the GLU gate were about a fifth of the 30 s tower's
     time), computed in float32 (within 1e-7 relative of float64); elsewhere MLX's ``sigmoid``."""
-    if not cpu_math.active():
+    if not fast_math.active():
         return y * mx.sigmoid(x)
-    e = cpu_math.exp_shifted(-x.astype(mx.float32), mx.zeros((1,), mx.float32))
+    e = fast_math.exp_shifted(-x.astype(mx.float32), mx.zeros((1,), mx.float32))
     return _over_one_plus(y.astype(mx.float32), e).astype(y.dtype)
 
 

@@ -15,7 +15,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.switch_layers import SwitchGLU
 
-from cache import Read, check_caches, cpu_math, same_offset
+from cache import Read, check_caches, same_offset
+from zoo_cpu import backend, decode, fast_math
 
 from .speedups import cpu_streams, few_rows, norm_rope
 
@@ -49,7 +50,7 @@ class RMSNorm(nn.Module):
         weight = self.get("weight")
         if weight is not None:
             weight = weight.astype(mx.float32)
-        return cpu_math.rms_norm(x, weight, self.eps, residual=residual)  # mx.fast.rms_norm off the CPU
+        return fast_math.rms_norm(x, weight, self.eps, residual=residual)  # mx.fast.rms_norm off the CPU
 
 
 class RoPE(nn.Module):
@@ -92,8 +93,8 @@ class RoPE(nn.Module):
         """``x [B, H, L, D]`` at absolute positions ``offset .. offset + L - 1``; a tuple gives each
         row of a ragged batch its own offset (``cache.batch``), a scalar array is the offset of a
         decode step compiled whole (``graphs.decode_step``)."""
-        if cpu_math.active():
-            return cpu_math.rotate(x, *self.tables(offset, x.shape[-2]))
+        if fast_math.active():
+            return fast_math.rotate(x, *self.tables(offset, x.shape[-2]))
         if isinstance(offset, tuple):
             offset = mx.array(offset, dtype=mx.int32)
         return mx.fast.rope(
@@ -139,13 +140,13 @@ def float_dtype(module: nn.Module) -> mx.Dtype:
 
 def gelu_gated(up: mx.array, gate: mx.array) -> mx.array:
     """GeGLU's gating with the tanh GELU (``gelu_pytorch_tanh``), in SwitchGLU's (up, gate) order:
-    MLX's ``nn.gelu_approx``, on the CPU a vectorised equivalent (``cache.cpu_math``)."""
-    return cpu_math.gelu_gated(up, gate)
+    MLX's ``nn.gelu_approx``, on the CPU a vectorised equivalent (``zoo_cpu.fast_math``)."""
+    return fast_math.gelu_gated(up, gate)
 
 
 def softcap(x: mx.array, cap: float) -> mx.array:
-    """Gemma's logit softcapping ``cap * tanh(x / cap)`` (vectorised tanh on the CPU, ``cache.cpu_math``)."""
-    return cap * cpu_math.tanh(x / cap)
+    """Gemma's logit softcapping ``cap * tanh(x / cap)`` (vectorised tanh on the CPU, ``zoo_cpu.fast_math``)."""
+    return cap * fast_math.tanh(x / cap)
 
 
 class FusedProducts:
@@ -242,7 +243,7 @@ class GeGLUMLP(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         joined = self.fused.joined(x) if self.fused is not None else None
         if joined is not None:
-            return self.down_proj(cpu_math.gelu_gated_joined(joined))
+            return self.down_proj(fast_math.gelu_gated_joined(joined))
         if self.two_streams and few_rows(x):
             with mx.stream(cpu_streams(2)[1]):
                 up = self.up_proj(x)
@@ -313,13 +314,12 @@ class SelfAttention(nn.Module):
         return [q, k, v]
 
     def _decode_heads(self, x: mx.array, offset) -> list[mx.array] | None:
-        """``_normed_heads`` of one float32 position per row as one kernel node (``cache.cpu_math.decode``),
-        or None where it does not run (then the plain path does: same numbers up to summation order)."""
-        kernels = cpu_math.decode()
+        """``_normed_heads`` of one float32 position per row as one kernel node (``zoo_cpu.decode.heads``),
+        or None where the backend does not run it (then the plain path does: same numbers up to summation order)."""
         norms = [self.q_norm] + ([self.k_norm] + ([self.v_norm] if "v_norm" in self else []) if self.owns_kv else [])
         plain_v = "v_norm" not in self or "weight" not in self.v_norm  # the kernel's value norm has no weight
         epsilons = {getattr(n, "eps", None) for n in norms}  # the kernel takes one eps for every norm
-        if kernels is None or x.dtype != mx.float32 or isinstance(offset, tuple) or not plain_v:
+        if not backend.active().decode or x.dtype != mx.float32 or isinstance(offset, tuple) or not plain_v:
             return None
         if len(epsilons) != 1 or None in epsilons:
             return None
@@ -333,7 +333,7 @@ class SelfAttention(nn.Module):
             projected = self.q_proj(x)
         weights = [n.get("weight") for n in norms[:2]] + [None] * (2 - len(norms[:2]))  # q's and k's (none without keys)
         weights = [None if w is None else w.astype(mx.float32) for w in weights]
-        return kernels.heads(
+        return decode.heads(
             projected, self.num_heads, self.num_kv_heads if self.owns_kv else 0, "v_proj" in self, self.head_dim,
             *weights, 1.0 if self.plus_one else 0.0, self.q_norm.eps, "v_norm" in self, *self.rope.tables(offset, 1),
         )  # fmt: skip

@@ -20,8 +20,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-import zoo_switches
-from cache import cpu_math
+from zoo_cpu import fast_math, switches
 
 FEW_ROWS = 8  # products with more rows than this are left to the BLAS's own threads
 
@@ -46,7 +45,7 @@ def _norm(x: mx.array, weight: mx.array | None, eps: float, plus_one: bool) -> m
     """Gemma's RMSNorm exactly as the graphs compute it: in float32, rounded once to ``x``'s dtype."""
     if weight is not None:
         weight = weight.astype(mx.float32)
-    return cpu_math.rms_norm(x, weight, eps, shift=1.0 if plus_one and weight is not None else 0.0)
+    return fast_math.rms_norm(x, weight, eps, shift=1.0 if plus_one and weight is not None else 0.0)
 
 
 def _norm_rope(x, weight, offset, freqs, eps, plus_one, dims, base):
@@ -55,7 +54,7 @@ def _norm_rope(x, weight, offset, freqs, eps, plus_one, dims, base):
 
 
 def _norm_rotate(x, weight, cos, sin, eps, plus_one):
-    return cpu_math.rotate_half(_norm(x, weight, eps, plus_one), cos, sin)
+    return fast_math.rotate_half(_norm(x, weight, eps, plus_one), cos, sin)
 
 
 _compiled = mx.compile(_norm_rope)
@@ -69,10 +68,10 @@ def norm_rope(x: mx.array, norm, rope, offset: int | tuple[int, ...], plus_one: 
     ``plus_one``), ``rope`` a ``graphs.layers.RoPE``. The weights are arguments, not captured
     constants, so replacing them after a first call stays correct.
     """
-    if x.shape[-2] != 1 or not zoo_switches.enabled("GEMMA_ZOO_COMPILE"):
+    if x.shape[-2] != 1 or not switches.enabled("GEMMA_ZOO_COMPILE"):
         return rope(norm(x), offset)
     weight = norm.get("weight") if hasattr(norm, "get") else None
-    if cpu_math.active():
+    if fast_math.active():
         return _compiled_cpu(x, weight, *rope.tables(offset, 1), norm.eps, plus_one)
     return _compiled(x, weight, mx.array(offset, dtype=mx.int32), rope.periods, norm.eps, plus_one, rope.head_dim, rope.base)
 

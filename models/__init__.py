@@ -6,14 +6,11 @@ checkpoint's ``model_type`` picks the architecture from ``registry.ARCHITECTURES
 
 from __future__ import annotations
 
-import zoo_blas  # noqa: F401  (first: loads a fast BLAS before anything imports MLX; see zoo_blas.py)
+import zoo_cpu  # noqa: F401  (first: loads a fast BLAS before anything imports MLX; see zoo_cpu/blas.py)
 
 from weights import ModelNotAvailableError
 
-from . import cpu_kernels
 from .loading import load
 from .model import Model
-
-cpu_kernels.install()  # a prefill's attention and GeGLU gate on the C++ extension's kernels, where built
 
 __all__ = ["load", "Model", "ModelNotAvailableError"]

@@ -8,7 +8,6 @@ from typing import Iterator, Sequence
 
 import mlx.core as mx
 
-import zoo_switches
 from graphs.decode_step import CompiledDecode
 
 from models.checks import check_token_ids, id_array, id_list, no_tokenizer_error
@@ -19,6 +18,7 @@ from models.generation.generate import (
 from models.processing.image_processor import Gemma4ImageProcessor, ImageInput, ProcessedImage
 from models.generation.prompts import Prompt, expand_image_placeholders
 from models.media import MediaMixin
+from zoo_cpu import switches
 
 
 @dataclass
@@ -78,7 +78,7 @@ class Model(MediaMixin):
         a sampled id is below the vocabulary size; checking it would wait for it on every step)."""
         self._check_context(cache, input_ids.shape[-1])
         if image_features is None:
-            if input_ids.shape[-1] == 1 and cache is not None and zoo_switches.enabled("GEMMA_ZOO_COMPILE_STEP"):
+            if input_ids.shape[-1] == 1 and cache is not None and switches.enabled("GEMMA_ZOO_COMPILE_STEP"):
                 logits = self.decode_step(input_ids, cache)
                 if logits is not None:
                     return logits

@@ -3,7 +3,7 @@
 ``models.load(..., dtype="auto")`` (the default) asks ``choose()``:
 
 - **GPU** (Metal, CUDA): the checkpoint's dtype, as before (bf16 stays bf16).
-- **CPU with a fast BLAS** (``zoo_blas``: MKL or OpenBLAS on Linux, Accelerate on macOS): float32.
+- **CPU with a fast BLAS** (``zoo_cpu.blas``: MKL or OpenBLAS on Linux, Accelerate on macOS): float32.
   MLX's CPU matmuls reach the BLAS only in float32 (one ``cblas_sgemm`` per product); bf16 and
   fp16 products run MLX's own loops, several times slower, so a bf16 checkpoint is upcast on load
   (``docs/speed.md`` has the measurements).
@@ -27,18 +27,16 @@ import sys
 from dataclasses import dataclass, field
 from typing import Mapping
 
-import zoo_blas  # noqa: F401  (before mlx)
+import zoo_cpu  # noqa: F401  (before mlx)
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
-import kernels
-import zoo_switches
-from cache import cpu_math
 from graphs.layers import FusedProducts, GeGLUMLP, SelfAttention
 from graphs.speedups import VocabularyHead
 from models import cpu_kernels
+from zoo_cpu import backend, extension, packed, switches
 
 AUTO = "auto"
 # Parameters only ever gathered from (never a matmul operand): kept in the checkpoint's dtype.
@@ -66,7 +64,7 @@ def fast_cpu_blas() -> bool:
     """True where MLX's float32 CPU matmuls go through a fast BLAS."""
     if sys.platform == "darwin":
         return True  # Accelerate
-    return bool(zoo_blas.info()["loaded"])
+    return bool(zoo_cpu.blas.info()["loaded"])
 
 
 def on_cpu() -> bool:
@@ -150,16 +148,15 @@ def prepare(graph: nn.Module, precision: Precision) -> list[str]:
     (``VocabularyHead.split_head``) and, unless ``GEMMA_ZOO_STREAMS=0``, split over CPU streams with
     every GeGLU MLP whose products are not packed (``GeGLUMLP.use_streams``; the kernels split their
     rows over the cores themselves). On a GPU, or without a fast BLAS, the graph is left as built.
+    The CPU backend (``zoo_cpu.backend``: fast math, prefill and decode kernels) is chosen here,
+    once, for the device and the switches as they are now.
     """
-    notes: list[str] = []
-    if cpu_math.active():
-        notes.append(
-            "CPU kernels: vectorised exp (softmax), tanh (GELU, softcap), RoPE tables, attention in query blocks "
-            "where the prefill kernels do not take it (unmasked reads: per kv head) (GEMMA_ZOO_FAST_MATH=0: MLX's ops)"
-        )
-    if zoo_switches.enabled("GEMMA_ZOO_COMPILE"):
+    chosen = backend.for_device()
+    backend.select(chosen)
+    notes = chosen.describe() if on_cpu() else []
+    if switches.enabled("GEMMA_ZOO_COMPILE"):
         notes.append("decode q/k norm + RoPE compiled (GEMMA_ZOO_COMPILE=0: as plain ops)")
-    if zoo_switches.enabled("GEMMA_ZOO_COMPILE_STEP"):
+    if switches.enabled("GEMMA_ZOO_COMPILE_STEP"):
         notes.append("decode steps compiled whole (GEMMA_ZOO_COMPILE_STEP=0: the graph's ops built every step)")
     if not on_cpu() or not fast_cpu_blas():
         return notes
@@ -167,8 +164,8 @@ def prepare(graph: nn.Module, precision: Precision) -> list[str]:
         note = apply_quantized_policy(graph)
         if note:
             notes.append(note)
-    notes += cpu_kernels.apply(graph)  # float32 projections of a prefill on the extension's GEMM
-    streams = CPU_STREAMS if zoo_switches.enabled(STREAMS_SWITCH) else 1
+    notes += cpu_kernels.apply(graph, chosen)  # float32 projections of a prefill on the extension's GEMM
+    streams = CPU_STREAMS if switches.enabled(STREAMS_SWITCH) else 1
     heads = [m for _, m in graph.named_modules() if isinstance(m, VocabularyHead)]
     notes += [note for note in (head.split_head(streams) for head in heads) if note]
     note = fuse_products(graph)
@@ -177,7 +174,7 @@ def prepare(graph: nn.Module, precision: Precision) -> list[str]:
     split = 0
     for _, mlp in graph.named_modules():
         if isinstance(mlp, GeGLUMLP) and mlp.fused is None:
-            own = 1 if isinstance(mlp.up_proj, kernels.PackedLinear) else streams  # a second stream only competes
+            own = 1 if isinstance(mlp.up_proj, packed.PackedLinear) else streams  # a second stream only competes
             mlp.use_streams(own)
             split += own > 1
     if split:
@@ -195,7 +192,7 @@ def fuse_products(graph: nn.Module) -> str | None:
     for _, module in graph.named_modules():
         if isinstance(module, (SelfAttention, GeGLUMLP)):
             parts = module.fusable()
-            if len(parts) > 1 and isinstance(parts[0], kernels.PackedLinear) and not FusedProducts.mismatch(parts):
+            if len(parts) > 1 and isinstance(parts[0], packed.PackedLinear) and not FusedProducts.mismatch(parts):
                 module.fuse()
                 done += 1
     return f"{done} fused products (attention q/k/v, MLP up/gate)" if done else None
@@ -205,20 +202,20 @@ def quantized_policy(graph: nn.Module) -> tuple[str, str]:
     """``(choice, why)`` for the quantized layers of ``graph`` on this CPU (``$GEMMA_ZOO_CPU_QUANT``).
 
     MLX's CPU ``quantized_matmul`` is a scalar loop. ``auto`` takes the packed kernels
-    (``kernels``: the 4/8-bit weights read at memory bandwidth, products equal to the dequantized
+    (``zoo_cpu.packed``: the 4/8-bit weights read at memory bandwidth, products equal to the dequantized
     ones up to summation order) where the extension was built; without them it dequantizes to
     float32 for the BLAS (the same products, at 4 bytes a weight) when that fits in
     ``MEMORY_SHARE`` of the machine's memory, else keeps the packed weights with float32 scales
     (small and slow). ``docs/speed.md`` has the measurements.
     """
-    choice = zoo_switches.value(QUANT_SWITCH)
+    choice = switches.value(QUANT_SWITCH)
     if choice != "auto":
         return choice, f"{QUANT_SWITCH}={choice}"
-    status = kernels.status()
+    status = extension.status()
     if status.available:
         return "packed", f"products through the packed kernels: {status.note}"
     choice, why = _memory_rule(graph, _quantized_leaves(graph))
-    return choice, f"{kernels.describe()}; {why}"
+    return choice, f"packed 4/8-bit kernels off: {status.note}; {why}"
 
 
 def _memory_rule(graph: nn.Module, leaves: list[tuple[str, nn.Module]]) -> tuple[str, str]:
@@ -240,15 +237,15 @@ def apply_quantized_policy(graph: nn.Module) -> str | None:
     choice, why = quantized_policy(graph)
     if choice == "as-stored":
         return f"quantized layers: as stored ({why})"
-    notes, packed = [], []
+    notes, packed_layers = [], []
     if choice == "packed":
-        if not kernels.status().available:
-            raise RuntimeError(f"{QUANT_SWITCH}=packed, but the {kernels.describe().removeprefix('packed ')}")
-        packed, leaves = _packed_layers(graph, leaves)
-        scales = sorted({str(m.scales.dtype).removeprefix("mlx.core.") for _, m in packed})
-        notes.append(f"{len(packed)} packed with {'/'.join(scales) or 'float32'} scales ({why})")
+        if not extension.available():
+            raise RuntimeError(f"{QUANT_SWITCH}=packed, but the packed 4/8-bit kernels are off: {extension.status().note}")
+        packed_layers, leaves = _packed_layers(graph, leaves)
+        scales = sorted({str(m.scales.dtype).removeprefix("mlx.core.") for _, m in packed_layers})
+        notes.append(f"{len(packed_layers)} packed with {'/'.join(scales) or 'float32'} scales ({why})")
         if leaves:  # layers the kernels do not take (MoE experts, other bit widths or modes)
-            if zoo_switches.value(QUANT_SWITCH) == "packed":  # asked for: every layer stays packed
+            if switches.value(QUANT_SWITCH) == "packed":  # asked for: every layer stays packed
                 choice, why = "fp32-scales", f"{QUANT_SWITCH}=packed; no kernel for these: MLX's quantized matmul"
             else:
                 choice, why = _memory_rule(graph, leaves)
@@ -258,7 +255,7 @@ def apply_quantized_policy(graph: nn.Module) -> str | None:
     # Everything else computes in float32 too (norms, embeddings, scales and biases of layers MLX's
     # quantized matmul runs: it is several times slower with bf16 scales), so activations stay
     # float32. The kernels read a packed layer's scales and biases as stored.
-    kept = frozenset(f"{path}.{name}" for path, _ in packed for name in ("scales", "biases"))
+    kept = frozenset(f"{path}.{name}" for path, _ in packed_layers for name in ("scales", "biases"))
     cast_module(graph, Precision(mx.float32, "", GATHER_ONLY), exact=kept)
     mx.eval(graph.parameters())
     if leaves and choice == "fp32-scales":
@@ -269,19 +266,19 @@ def apply_quantized_policy(graph: nn.Module) -> str | None:
 
 
 def _packed_layers(graph: nn.Module, leaves: list[tuple[str, nn.Module]]) -> tuple[list, list]:
-    """Put ``kernels.PackedLinear`` / ``PackedEmbedding`` in place of the layers the kernels take;
+    """Put ``zoo_cpu.packed.PackedLinear`` / ``PackedEmbedding`` in place of the layers the kernels take;
     ``(the packed (path, module) pairs, the leaves left)``."""
-    packed, left = [], []
+    done, left = [], []
     for path, module in leaves:
-        if isinstance(module, nn.QuantizedEmbedding) and kernels.unpackable(module) is None:
-            packed.append((path, kernels.PackedEmbedding.of(module)))
-        elif isinstance(module, nn.QuantizedLinear) and kernels.unpackable(module) is None:
-            packed.append((path, kernels.PackedLinear.of(module)))
+        if isinstance(module, nn.QuantizedEmbedding) and packed.unpackable(module) is None:
+            done.append((path, packed.PackedEmbedding.of(module)))
+        elif isinstance(module, nn.QuantizedLinear) and packed.unpackable(module) is None:
+            done.append((path, packed.PackedLinear.of(module)))
         else:
             left.append((path, module))
-    for path, module in packed:
+    for path, module in done:
         _set_module(graph, path, module)
-    return packed, left
+    return done, left
 
 
 def _quantized_leaves(graph: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -306,8 +303,8 @@ def _dense_weight(module: nn.Module) -> mx.array:
 
 
 def _dense_bytes(module: nn.Module) -> int:
-    *lead, packed = module.weight.shape
-    count = packed * 32 // module.bits
+    *lead, words = module.weight.shape
+    count = words * 32 // module.bits
     for n in lead:
         count *= n
     return 4 * count

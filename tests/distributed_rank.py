@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 import models
-import zoo_switches
 from models import parallel
 from models.generation.generate import KVQuantization, SamplingOptions
+from zoo_cpu import switches
 
 import mlx.core as mx  # noqa: E402  (after models: the fast BLAS first)
 
@@ -44,15 +44,15 @@ def cached_logits(model, ids: list[int], chunks: list[int], kv: KVQuantization |
 
 
 def run(job: dict, group) -> dict[str, np.ndarray]:
-    with zoo_switches.override(**job.get("switches", {})):
+    with switches.override(**job.get("switches", {})):
         return run_task(job, group)
 
 
 def packed_layers(model) -> int:
     """How many layers of ``model`` run through the packed CPU kernels (``kernels``)."""
-    import kernels
+    from zoo_cpu import packed as zoo_packed
 
-    return sum(isinstance(m, (kernels.PackedLinear, kernels.PackedEmbedding)) for _, m in model.graph.named_modules())
+    return sum(isinstance(m, (zoo_packed.PackedLinear, zoo_packed.PackedEmbedding)) for _, m in model.graph.named_modules())
 
 
 def run_task(job: dict, group) -> dict[str, np.ndarray]:

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import models  # noqa: E402
-import zoo_switches  # noqa: E402
+from zoo_cpu import switches  # noqa: E402
 from cache import KVCache, QuantizedKVCache, RotatingKVCache, batch_caches, trim_cache  # noqa: E402
 from cache.base import AttentionCache  # noqa: E402
 from models.generation.generate import KVQuantization, generate_tokens  # noqa: E402
@@ -52,7 +52,7 @@ def prompt(model, length: int, seed: int = 0, rows: int = 1) -> mx.array:
 def step_logits(model, ids: mx.array, steps: int, compiled: bool, edit=None) -> list[np.ndarray]:
     """Prefill ``ids``, then ``steps`` greedy decode steps; every step's logits. ``edit(cache, i)``
     may change the cache between steps (trims)."""
-    with zoo_switches.override(GEMMA_ZOO_COMPILE_STEP=compiled):
+    with switches.override(GEMMA_ZOO_COMPILE_STEP=compiled):
         cache = model.make_cache()
         logits = model.logits(ids, cache)[:, -1]
         out = []
@@ -110,7 +110,7 @@ def test_quantized_kv_switching_mid_generation(gemma4, monkeypatch):
     kv = KVQuantization(8, 32, start=20)
     runs = {}
     for compiled in (False, True):
-        with zoo_switches.override(GEMMA_ZOO_COMPILE_STEP=compiled):
+        with switches.override(GEMMA_ZOO_COMPILE_STEP=compiled):
             cache = gemma4.make_cache()
             runs[compiled] = list(generate_tokens(gemma4._forward, prompt_ids, cache, max_tokens=40, kv_quantization=kv))
             assert any(isinstance(c, QuantizedKVCache) for c in cache)
@@ -120,7 +120,7 @@ def test_quantized_kv_switching_mid_generation(gemma4, monkeypatch):
 
 def test_replaced_weight_is_traced_anew(gemma3):
     ids = prompt(gemma3, 5)
-    with zoo_switches.override(GEMMA_ZOO_COMPILE_STEP=True):
+    with switches.override(GEMMA_ZOO_COMPILE_STEP=True):
         cache = gemma3.make_cache()
         gemma3.logits(ids, cache)
         token = mx.array([[7]])
@@ -132,7 +132,7 @@ def test_replaced_weight_is_traced_anew(gemma3):
             norm.weight = original + 0.5
             restored = [type(c).from_state(s) for c, s in zip(cache, snapshot)]
             after = np.array(gemma3._forward(token, restored))
-            with zoo_switches.override(GEMMA_ZOO_COMPILE_STEP=False):
+            with switches.override(GEMMA_ZOO_COMPILE_STEP=False):
                 restored = [type(c).from_state(s) for c, s in zip(cache, snapshot)]
                 want = np.array(gemma3._forward(token, restored))
         finally:
@@ -164,19 +164,19 @@ def test_bidirectional_encoder_keeps_its_error(tmp_path):
     cache = model.make_cache()
     model.logits(prompt(model, 6), cache)
     for compiled in (False, True):
-        with zoo_switches.override(GEMMA_ZOO_COMPILE_STEP=compiled):
+        with switches.override(GEMMA_ZOO_COMPILE_STEP=compiled):
             with pytest.raises(ValueError, match="no incremental"):
                 model._forward(mx.array([[5]]), cache)
 
 
 def test_cache_counters_after_compiled_steps(gemma4):
     ids = prompt(gemma4, 5)
-    with zoo_switches.override(GEMMA_ZOO_COMPILE_STEP=True):
+    with switches.override(GEMMA_ZOO_COMPILE_STEP=True):
         cache = gemma4.make_cache()
         gemma4.logits(ids, cache)
         for i in range(12):
             gemma4._forward(mx.array([[3 + i]]), cache)
-    with zoo_switches.override(GEMMA_ZOO_COMPILE_STEP=False):
+    with switches.override(GEMMA_ZOO_COMPILE_STEP=False):
         plain = gemma4.make_cache()
         gemma4.logits(ids, plain)
         for i in range(12):

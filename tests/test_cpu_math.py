@@ -1,4 +1,4 @@
-"""The CPU kernels of ``cache.cpu_math`` against float64, and the reads and RoPE that use them
+"""The CPU kernels of ``zoo_cpu.fast_math`` against float64, and the reads and RoPE that use them
 against MLX's own ops (``mx.fast.scaled_dot_product_attention``, ``mx.fast.rope``)."""
 
 import math
@@ -8,21 +8,20 @@ import pytest
 
 import mlx.core as mx
 
-import zoo_switches
-from cache import cpu_math
 from cache import attention
 from cache.attention import attend
 from graphs.layers import RoPE, gelu_gated, softcap
+from zoo_cpu import backend, fast_math
 
-pytestmark = pytest.mark.skipif(not cpu_math.active(), reason="the polynomial kernels run on the CPU only")
+pytestmark = pytest.mark.skipif(not fast_math.active(), reason="the polynomial kernels run on the CPU only")
 
 
 def test_exp_within_1e7_relative_and_exact_zero_below_range():
     xs = np.linspace(-87.3, 88.0, 2_000_001, dtype=np.float32)
-    got = np.array(cpu_math.exp_shifted(mx.array(xs), mx.array(0.0)))
+    got = np.array(fast_math.exp_shifted(mx.array(xs), mx.array(0.0)))
     want = np.exp(xs.astype(np.float64))
     assert (np.abs(got - want) / want).max() < 1.5e-7
-    edges = np.array(cpu_math.exp_shifted(mx.array([-np.inf, -1000.0, -88.0, 0.0, 89.0]), mx.array(0.0)))
+    edges = np.array(fast_math.exp_shifted(mx.array([-np.inf, -1000.0, -88.0, 0.0, 89.0]), mx.array(0.0)))
     np.testing.assert_array_equal(edges[:3], 0.0)
     assert edges[3] == 1.0 and abs(edges[4] / np.exp(np.float64(np.float32(88.3))) - 1) < 1.5e-7  # saturates (softmax passes x <= 0)
 
@@ -33,7 +32,7 @@ def test_softmax_matches_float64_and_masks_exactly(shape):
     scores = (rng.standard_normal(shape) * 12).astype(np.float32)
     scores[..., ::5] = -np.inf  # masked keys
     scores[..., 1] = 30.0  # a visible key per row, far above the rest
-    got = np.array(cpu_math.softmax(mx.array(scores)))
+    got = np.array(fast_math.softmax(mx.array(scores)))
     e = np.exp(scores.astype(np.float64) - scores.max(-1, keepdims=True))
     want = e / e.sum(-1, keepdims=True)
     mlx_own = np.array(mx.softmax(mx.array(scores), axis=-1, precise=True))
@@ -48,7 +47,7 @@ def test_log_softmax_matches_float64():
     x = logits.astype(np.float64)
     top = x.max(-1, keepdims=True)
     want = x - (top + np.log(np.exp(x - top).sum(-1, keepdims=True)))
-    got = np.array(cpu_math.log_softmax(mx.array(logits)))
+    got = np.array(fast_math.log_softmax(mx.array(logits)))
     mlx_own = np.array(mx.array(logits) - mx.logsumexp(mx.array(logits), axis=-1, keepdims=True))
     # float32 rounding of values near -50 (ulp 4e-6), no worse than MLX's logsumexp
     assert got.dtype == np.float32 and np.abs(got - want).max() <= np.abs(mlx_own - want).max() + 1e-6
@@ -56,19 +55,19 @@ def test_log_softmax_matches_float64():
 
 def test_softmax_of_bf16_scores_is_float32():
     scores = mx.random.normal((2, 300), key=mx.random.key(1)).astype(mx.bfloat16)
-    got = cpu_math.softmax(scores)
+    got = fast_math.softmax(scores)
     assert got.dtype == mx.float32
     np.testing.assert_allclose(np.array(got), np.array(mx.softmax(scores.astype(mx.float32), axis=-1)), atol=1e-6)
 
 
 def test_tanh_and_softcap():
     xs = np.linspace(-20, 20, 400_001, dtype=np.float32)
-    got = np.array(cpu_math.tanh(mx.array(xs)))
+    got = np.array(fast_math.tanh(mx.array(xs)))
     assert np.abs(got - np.tanh(xs.astype(np.float64))).max() < 5e-7
     logits = mx.array((np.random.default_rng(0).standard_normal((3, 1000)) * 60).astype(np.float32))
     want = 30.0 * np.tanh(np.array(logits).astype(np.float64) / 30.0)
     assert np.abs(np.array(softcap(logits, 30.0)) - want).max() < 3e-5
-    assert cpu_math.tanh(mx.ones((4,), dtype=mx.bfloat16)).dtype == mx.bfloat16
+    assert fast_math.tanh(mx.ones((4,), dtype=mx.bfloat16)).dtype == mx.bfloat16
 
 
 def test_gelu_gated_matches_the_reference_formula():
@@ -137,8 +136,8 @@ def test_attend_on_the_cpu_equals_mlx_fused_attention(mask_kind, heads, rows_per
 
 
 def test_switched_off_uses_mlx_ops():
-    with zoo_switches.override(GEMMA_ZOO_FAST_MATH="0"):
-        assert not cpu_math.active()
+    with backend.using(backend.MLX):
+        assert not fast_math.active()
         scores = mx.random.normal((3, 50), key=mx.random.key(2))
-        assert mx.array_equal(cpu_math.softmax(scores), mx.softmax(scores, axis=-1)).item()
-        assert mx.array_equal(cpu_math.tanh(scores), mx.tanh(scores)).item()
+        assert mx.array_equal(fast_math.softmax(scores), mx.softmax(scores, axis=-1)).item()
+        assert mx.array_equal(fast_math.tanh(scores), mx.tanh(scores)).item()

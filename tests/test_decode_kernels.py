@@ -1,10 +1,11 @@
-"""The decode kernels (``kernels.decode``, ``kernels/src/decode*``): a decode step's query/key/value
+"""The decode kernels (``zoo_cpu.decode``, ``zoo_cpu/src/decode*``): a decode step's query/key/value
 heads and its attention over a run of a cache's planes, each one graph node, against float64 and
 against MLX's ops in whole models (kernels on == off, token after token)."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,12 +14,10 @@ from hypothesis import strategies as st
 
 import mlx.core as mx
 
-import models  # noqa: F401  (installs the kernels into cache.cpu_math)
-import zoo_switches
-from kernels import decode, prefill
+from zoo_cpu import backend, decode, extension, prefill, switches
 
-pytestmark = pytest.mark.skipif(not prefill.available(), reason="the C++ extension is not built here")
-ISAS = prefill.status().module.available_isas() if prefill.available() else []
+pytestmark = pytest.mark.skipif(not extension.available(), reason="the C++ extension is not built here")
+ISAS = extension.status().module.available_isas() if extension.available() else []
 
 
 def norm64(x, w, eps, shift):
@@ -188,7 +187,7 @@ def steps(model, kernels: bool, compiled: bool, rows: int = 1, n: int = 40) -> t
     """Greedy tokens (of the first row) and the logits of the prompt's last position and of each
     decode step after it, for a 7-token prompt (batch rows at one offset)."""
     ids = mx.array(np.random.default_rng(1).integers(3, model.vocab_size, (rows, 7)))
-    with zoo_switches.override(GEMMA_ZOO_DECODE_KERNELS=kernels, GEMMA_ZOO_COMPILE_STEP=compiled):
+    with backend.using(replace(backend.active(), decode=kernels)), switches.override(GEMMA_ZOO_COMPILE_STEP=compiled):
         cache = model.make_cache()
         logits = model.logits(ids, cache)[:, -1]
         tokens, out = [], [np.array(logits)]
@@ -225,7 +224,7 @@ def test_the_kernels_shrink_the_step_graph(gemma3, tmp_path):
     """What the kernels are for: the step's graph shrinks (each node costs the CPU stream a task)."""
 
     def nodes(kernels: bool) -> int:
-        with zoo_switches.override(GEMMA_ZOO_DECODE_KERNELS=kernels):
+        with backend.using(replace(backend.active(), decode=kernels)):
             cache = gemma3.make_cache()
             mx.eval(gemma3.logits(mx.array([[5, 6, 7]]), cache))
             logits = gemma3._forward(mx.array([[8]]), cache, last_only=True)

@@ -115,11 +115,11 @@ def test_prequantized_checkpoint_read_in_packed_parts(two_ranks, folders):
 
 def test_prequantized_checkpoint_through_the_packed_cpu_kernels(two_ranks, folders):
     import models
-    import zoo_switches
+    from zoo_cpu import switches
 
     ranks = results(folders["root"], "moe_packed_kernels", 2, two_ranks)
     assert all(int(r["packed_layers"]) > 0 for r in ranks)  # the split layers are the kernels' own, rebuilt
-    with zoo_switches.override(**PACKED_KERNELS):
+    with switches.override(**PACKED_KERNELS):
         assert_near(ranks, models.load(str(folders["moe_packed"]), tokenizer=False), LONG)  # dtype "auto": as users load it
 
 

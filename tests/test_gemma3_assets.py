@@ -11,16 +11,16 @@ from types import SimpleNamespace
 
 import pytest
 
-import zoo_switches
 
 import models.assets.gemma3_270m as assets
 from weights.resolve import ModelNotAvailableError
+from zoo_cpu import switches
 
 
 @pytest.fixture
 def empty_assets(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("GEMMA_ZOO_ASSETS", str(tmp_path))
-    monkeypatch.setattr(zoo_switches, "_cache", {})  # the environment above is read afresh, and forgotten after
+    monkeypatch.setattr(switches, "_cache", {})  # the environment above is read afresh, and forgotten after
     return tmp_path
 
 

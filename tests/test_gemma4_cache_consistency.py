@@ -19,7 +19,7 @@ from cache import KVCache, RotatingKVCache, SharedView  # noqa: E402
 from tests import hf_tiny  # noqa: E402
 
 # fp32 noise between two different kernels, not a cache tolerance: on the CPU a decode step (one
-# query) runs MLX's fused attention, whose exp is within 4e-6, and a chunk runs cache.cpu_math's
+# query) runs MLX's fused attention, whose exp is within 4e-6, and a chunk runs zoo_cpu.fast_math's
 # softmax (within 1e-7), so 320 cached decodes drift from the uncached forward by up to ~1.2e-4 on
 # logits of magnitude ~6. A cache bug (a wrong position, window or mask) shows at 1e-2 and above.
 TOL = 2e-4

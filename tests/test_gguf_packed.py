@@ -19,9 +19,8 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-import kernels
+from zoo_cpu import extension, packed as zoo_packed
 import models
-import zoo_switches
 from models.assets.gemma3_270m import gemma3_270m_gguf
 from models.zoo import ZOO
 from weights.gguf_gemma3 import hf_tensor_name
@@ -34,6 +33,7 @@ from tests.test_gguf_import import CONFIG, _k_quant_bytes, _write_gguf  # noqa: 
 from tests import quant_tiny as qt  # noqa: E402
 from tests.test_packed_real import _chunked  # noqa: E402
 from tests.test_quantized_weights_real import folder, ids, reference_logits  # noqa: E402,F401  (fixtures)
+from zoo_cpu import switches
 
 
 class _Tensor:
@@ -98,7 +98,7 @@ def folders(tmp_path_factory):
     return root / "tiny.gguf", dense, packed
 
 
-@pytest.mark.skipif(not kernels.status().available, reason=f"packed kernels unavailable: {kernels.describe()}")
+@pytest.mark.skipif(not extension.status().available, reason=f"packed kernels unavailable: {extension.describe()}")
 def test_packed_folder_holds_the_gguf_grid_and_loads(folders):
     gguf, dense, packed = folders
     config = json.loads((packed / "config.json").read_text())
@@ -126,15 +126,15 @@ def test_packed_folder_holds_the_gguf_grid_and_loads(folders):
             np.testing.assert_allclose(np.array(values), want, rtol=0, atol=2 * np.abs(want).max() / 255, err_msg=name)
     ids = [[2] + np.random.default_rng(3).integers(3, CONFIG["vocab_size"], 11).tolist()]
     want = models.load(str(dense), tokenizer=False).logits(ids)
-    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT="packed"):
+    with switches.override(GEMMA_ZOO_CPU_QUANT="packed"):
         loaded = models.load(str(packed), tokenizer=False)
-    assert isinstance(loaded.graph.embed_tokens, kernels.PackedEmbedding)
+    assert isinstance(loaded.graph.embed_tokens, zoo_packed.PackedEmbedding)
     got = loaded.logits(ids)
     assert float(mx.abs(got - want).max()) <= 0.05 * float(mx.abs(want).max())
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not kernels.status().available, reason=f"packed kernels unavailable: {kernels.describe()}")
+@pytest.mark.skipif(not extension.status().available, reason=f"packed kernels unavailable: {extension.describe()}")
 def test_real_q4_k_m_file_packed_matches_float32(folder, ids, reference_logits, capsys):
     """The zoo's ``gemma-3-270m-q4km``: every exactly repacked tensor equals the float32 folder's
     (the GGUF's dequantized values: the embedding, six projections a layer and the nine Q4_K ffn_down), and it loads onto the packed kernels and scores close to float32
@@ -153,13 +153,13 @@ def test_real_q4_k_m_file_packed_matches_float32(folder, ids, reference_logits, 
                                    stored[f"{module}.biases"].astype(mx.float32), group_size=32, bits=bits)  # fmt: skip
             assert mx.array_equal(values, floats[name]).item(), name
             exact += 1
-    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT="packed"):
+    with switches.override(GEMMA_ZOO_CPU_QUANT="packed"):
         model = models.load("gemma-3-270m-q4km", tokenizer=False)
-    assert isinstance(model.graph.embed_tokens, kernels.PackedEmbedding)
+    assert isinstance(model.graph.embed_tokens, zoo_packed.PackedEmbedding)
     kl, kl_max, top1 = qt.kl_and_top1(reference_logits, model.logits([ids]))
-    chunked = qt.kl_and_top1(reference_logits, _chunked(model, ids, kernels.KERNEL_ROWS))  # every product in the kernel
+    chunked = qt.kl_and_top1(reference_logits, _chunked(model, ids, zoo_packed.KERNEL_ROWS))  # every product in the kernel
     with capsys.disabled():
         print(f"\n[gemma-3-270m-q4km] {exact} tensors exact; {len(ids)} positions: KL mean {kl:.5f} max {kl_max:.4f} nats, "
-              f"top-1 {top1:.4f}; in chunks of {kernels.KERNEL_ROWS}: KL mean {chunked[0]:.5f} max {chunked[1]:.4f}, top-1 {chunked[2]:.4f}")  # fmt: skip
+              f"top-1 {top1:.4f}; in chunks of {zoo_packed.KERNEL_ROWS}: KL mean {chunked[0]:.5f} max {chunked[1]:.4f}, top-1 {chunked[2]:.4f}")  # fmt: skip
     assert exact == 1 + 18 * 6 + 9 and kl <= 0.01 and top1 >= 0.95
     assert abs(chunked[0] - kl) <= 1e-4 and abs(chunked[2] - top1) <= 1 / len(ids)

@@ -14,7 +14,6 @@ import re
 import numpy as np
 import pytest
 
-import zoo_switches
 from PIL import Image
 
 from models.assets.fetch import AssetFetchError
@@ -25,6 +24,7 @@ from models.processing.image_processor import (
     target_size,
 )
 from models.assets.photos import PHOTOS, fetch_photos
+from zoo_cpu import switches
 
 transformers_gemma4 = pytest.importorskip("transformers.models.gemma4.image_processing_pil_gemma4")
 HFProcessor = transformers_gemma4.Gemma4ImageProcessorPil
@@ -149,7 +149,7 @@ def test_cached_photos_need_no_download(photos, monkeypatch):
 @pytest.mark.slow
 def test_assets_folder_override_and_damaged_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMA_ZOO_ASSETS", str(tmp_path))
-    monkeypatch.setattr(zoo_switches, "_cache", {})  # the environment above is read afresh, and forgotten after
+    monkeypatch.setattr(switches, "_cache", {})  # the environment above is read afresh, and forgotten after
     try:
         path = fetch_photos(["chelsea.png"])["chelsea.png"]
     except AssetFetchError as exc:

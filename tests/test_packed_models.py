@@ -1,4 +1,4 @@
-"""Whole models through the packed kernels: the CPU policy puts ``kernels.PackedLinear`` /
+"""Whole models through the packed kernels: the CPU policy puts ``zoo_packed.PackedLinear`` /
 ``PackedEmbedding`` in place of every 4/8-bit layer, and the logits and greedy tokens are those of
 the same quantized model run as stored (MLX's own quantized matmul) and dequantized to float32.
 
@@ -17,9 +17,9 @@ from mlx.utils import tree_flatten
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-import kernels  # noqa: E402
+from zoo_cpu import extension, packed as zoo_packed  # noqa: E402
 import models  # noqa: E402
-import zoo_switches  # noqa: E402
+from zoo_cpu import switches  # noqa: E402
 from models import precision  # noqa: E402
 from models.convert import convert  # noqa: E402
 from graphs.layers import GeGLUMLP, SelfAttention  # noqa: E402
@@ -30,8 +30,8 @@ from tests.test_convert import _gemma3  # noqa: E402
 from weights.quantize import QuantizationPolicy  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
-    not (kernels.status().available and precision.on_cpu() and precision.fast_cpu_blas()),
-    reason=f"the packed CPU path is not in use here ({kernels.describe()})",
+    not (extension.status().available and precision.on_cpu() and precision.fast_cpu_blas()),
+    reason=f"the packed CPU path is not in use here ({extension.describe()})",
 )
 
 
@@ -46,7 +46,7 @@ def folders(tmp_path_factory):
 
 
 def _load(folder, policy: str, bits: int, group: int, **kwargs):
-    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT=policy):
+    with switches.override(GEMMA_ZOO_CPU_QUANT=policy):
         if kwargs:
             return models.load(str(folder), tokenizer=False, **kwargs)
         return models.load(str(folder), tokenizer=False, q_bits=bits, q_group_size=group)
@@ -59,9 +59,9 @@ def test_packed_model_equals_the_stored_and_dequantized_ones(folders, name, bits
     stored = _load(folders / name, "as-stored", bits, group)
     dense = _load(folders / name, "dequantize", bits, group)
     layers = [m for _, m in packed.graph.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
-    assert layers and all(isinstance(m, (kernels.PackedLinear, kernels.PackedEmbedding)) for m in layers)
+    assert layers and all(isinstance(m, (zoo_packed.PackedLinear, zoo_packed.PackedEmbedding)) for m in layers)
     assert any(note.startswith(f"quantized layers: {len(layers)} packed with float32 scales") for note in packed.device_notes)
-    ids = qt.token_ids(5, 40, 256)  # more rows than kernels.KERNEL_ROWS: the dequantize-then-BLAS path
+    ids = qt.token_ids(5, 40, 256)  # more rows than zoo_packed.KERNEL_ROWS: the dequantize-then-BLAS path
     want = stored.logits(ids)
     assert qt.max_relative_difference(packed.logits(ids), want) < 1e-4
     assert qt.max_relative_difference(dense.logits(ids), want) < 1e-4
@@ -105,7 +105,7 @@ def test_fused_products_give_the_unfused_logits(folders, name, compile_step, pol
     assert mine.keys() == theirs.keys() and all(mx.array_equal(mine[k], theirs[k]).item() for k in mine)
     ids = qt.token_ids(7, 44, 256)
     assert qt.max_relative_difference(fused.logits(ids), plain.logits(ids)) < 1e-5
-    with zoo_switches.override(GEMMA_ZOO_COMPILE_STEP=compile_step):
+    with switches.override(GEMMA_ZOO_COMPILE_STEP=compile_step):
         a, b = _stepwise(fused, ids[0], 36), _stepwise(plain, ids[0], 36)
     assert qt.max_relative_difference(a[:, :36], b[:, :36]) < 1e-5
     assert mx.array_equal(a[:, 36:], b[:, 36:]).item()
@@ -127,12 +127,12 @@ def test_bf16_scales_are_read_as_stored(folders, tmp_path, bits):
     group less per token) while everything else computes in float32: the float32-scale model's logits."""
     folder = tmp_path / "bf16"
     convert(str(folders / "T1_bias_untied"), folder, q_bits=bits, q_group_size=32, dtype="bfloat16")
-    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT="packed"):
+    with switches.override(GEMMA_ZOO_CPU_QUANT="packed"):
         packed = models.load(str(folder), tokenizer=False)
-    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT="fp32-scales"):
+    with switches.override(GEMMA_ZOO_CPU_QUANT="fp32-scales"):
         scaled = models.load(str(folder), tokenizer=False)
     layer = packed.graph.layers[0].mlp.up_proj
-    assert isinstance(layer, kernels.PackedLinear) and layer.scales.dtype == layer.biases.dtype == mx.bfloat16
+    assert isinstance(layer, zoo_packed.PackedLinear) and layer.scales.dtype == layer.biases.dtype == mx.bfloat16
     assert packed.graph.layers[0].input_layernorm.weight.dtype == mx.float32
     assert any("packed with bfloat16 scales" in note for note in packed.device_notes)
     ids = qt.token_ids(4, 20, 256)
@@ -153,7 +153,7 @@ def test_the_zoo_policies_convert_and_run_packed(folders, tmp_path, bits):
     convert(str(folders / "gemma3"), folder, q_policy=policy)
     packed = _load(folder, "packed", 0, 0, dtype="auto")
     embed = packed.graph.embed_tokens
-    assert isinstance(embed, kernels.PackedEmbedding) and (embed.bits, embed.group_size) == (8, 64)
+    assert isinstance(embed, zoo_packed.PackedEmbedding) and (embed.bits, embed.group_size) == (8, 64)
     layer = packed.graph.layers[0].mlp.up_proj
     assert (layer.bits, layer.group_size) == (bits, policy.group_size)
     assert layer.scales.dtype == layer.biases.dtype == embed.scales.dtype == mx.float16
@@ -171,9 +171,9 @@ def test_a_policy_names_a_bad_scale_dtype():
 
 def test_auto_takes_the_kernels_and_an_explicit_packed_without_them_is_refused(folders, monkeypatch):
     model = _load(folders / "gemma3", "auto", 8, 64)
-    assert isinstance(model.graph.embed_tokens, kernels.PackedEmbedding)
-    monkeypatch.setattr(kernels, "_status", kernels.Status(None, "not built at install time: no compiler"))
-    with pytest.raises(RuntimeError, match="GEMMA_ZOO_CPU_QUANT=packed, but the 4/8-bit kernels off: not built"):
+    assert isinstance(model.graph.embed_tokens, zoo_packed.PackedEmbedding)
+    monkeypatch.setattr(extension, "_status", extension.Status(None, "not built at install time: no compiler"))
+    with pytest.raises(RuntimeError, match="GEMMA_ZOO_CPU_QUANT=packed, but the packed 4/8-bit kernels are off: not built"):
         _load(folders / "gemma3", "packed", 8, 64)
     fallback = _load(folders / "gemma3", "auto", 8, 64)
     assert not precision._quantized_leaves(fallback.graph)
@@ -186,9 +186,9 @@ def test_layers_the_kernels_do_not_take(folders, policy, rest):
     kept packed (MLX's quantized matmul); said beside the packed (8-bit) embedding."""
     q_policy = QuantizationPolicy(3, 32, embed_bits=8)
     model = _load(folders / "gemma3", policy, 0, 0, q_policy=q_policy)
-    assert isinstance(model.graph.embed_tokens, kernels.PackedEmbedding)
+    assert isinstance(model.graph.embed_tokens, zoo_packed.PackedEmbedding)
     left = [type(m) for _, m in precision._quantized_leaves(model.graph)]
-    assert left[0] is kernels.PackedEmbedding and all(t is nn.QuantizedLinear for t in left[1:])
+    assert left[0] is zoo_packed.PackedEmbedding and all(t is nn.QuantizedLinear for t in left[1:])
     assert len(left) == (1 if policy == "auto" else 1 + 6 * 7)
     assert any("quantized layers: 1 packed" in n and rest in n for n in model.device_notes)
     ids = qt.token_ids(1, 8, 256)

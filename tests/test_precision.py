@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 import models  # noqa: E402
 from graphs.gemma3_text import GemmaRMSNorm  # noqa: E402
 from graphs.layers import RMSNorm, RoPE  # noqa: E402
-import zoo_switches  # noqa: E402
+from zoo_cpu import switches  # noqa: E402
 from graphs import speedups  # noqa: E402
 from models import precision  # noqa: E402
 from models.generation.generate import generate_tokens  # noqa: E402
@@ -104,13 +104,13 @@ def test_head_relayout_changes_no_value(checkpoints):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_layers_dequantized_on_cpu_give_the_quantized_model(checkpoints, monkeypatch, bits):
     folder = str(checkpoints / "f32")
-    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT="as-stored"):
+    with switches.override(GEMMA_ZOO_CPU_QUANT="as-stored"):
         stored = models.load(folder, tokenizer=False, q_bits=bits, q_group_size=32)
-    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT="dequantize"):
+    with switches.override(GEMMA_ZOO_CPU_QUANT="dequantize"):
         dense = models.load(folder, tokenizer=False, q_bits=bits, q_group_size=32)
     assert not precision._quantized_leaves(dense.graph)
     assert any("dequantized" in note for note in dense.device_notes)
-    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT="fp32-scales"):
+    with switches.override(GEMMA_ZOO_CPU_QUANT="fp32-scales"):
         scaled = models.load(folder, tokenizer=False, q_bits=bits, q_group_size=32)
     leaves = precision._quantized_leaves(scaled.graph)
     assert leaves and all(m.scales.dtype == mx.float32 for _, m in leaves)
@@ -123,7 +123,7 @@ def test_quantized_layers_dequantized_on_cpu_give_the_quantized_model(checkpoint
 @cpu_with_blas
 def test_auto_quantized_policy_falls_back_to_packed_when_memory_is_short(checkpoints, monkeypatch):
     monkeypatch.setattr(precision, "physical_memory", lambda: 1024)
-    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT="auto"):
+    with switches.override(GEMMA_ZOO_CPU_QUANT="auto"):
         model = models.load(str(checkpoints / "f32"), tokenizer=False, q_bits=4, q_group_size=32)
     assert precision._quantized_leaves(model.graph)
     assert any("packed with float32 scales" in note for note in model.device_notes)
@@ -131,13 +131,13 @@ def test_auto_quantized_policy_falls_back_to_packed_when_memory_is_short(checkpo
 
 def test_unknown_quantized_policy_is_refused(monkeypatch):
     monkeypatch.setenv(precision.QUANT_SWITCH, "fast")
-    zoo_switches.reload()
+    switches.reload()
     try:
         with pytest.raises(ValueError, match="GEMMA_ZOO_CPU_QUANT"):
             precision.quantized_policy(nn.Linear(2, 2))
     finally:
         monkeypatch.delenv(precision.QUANT_SWITCH)
-        zoo_switches.reload()
+        switches.reload()
 
 
 # ---------------------------------------------------------------------------------------- compiled pieces
@@ -164,7 +164,7 @@ def test_compiled_decode_generates_the_same_tokens(checkpoints, monkeypatch):
     model = models.load(str(checkpoints / "f32"), tokenizer=False)
     prompt = [2, 17, 99, 4, 56, 200, 31]
     compiled = list(generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=24))
-    with zoo_switches.override(GEMMA_ZOO_COMPILE="0"):
+    with switches.override(GEMMA_ZOO_COMPILE="0"):
         plain = list(generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=24))
     assert compiled == plain
 
@@ -184,7 +184,7 @@ def test_split_head_and_parallel_mlp_keep_the_numbers(checkpoints, monkeypatch):
     cache = model.make_cache()
     model.logits(ids[0][:-1], cache)
     split_last = model.logits(ids[0][-1:], cache)
-    with zoo_switches.override(GEMMA_ZOO_STREAMS="0"):
+    with switches.override(GEMMA_ZOO_STREAMS="0"):
         model = models.load(str(checkpoints / "f32"), tokenizer=False)
     assert model.graph.head_blocks is None
     assert not any("CPU streams" in note for note in model.device_notes)  # --verbose says what is in effect

@@ -1,7 +1,9 @@
-"""The C++ extension's prefill kernels (``kernels.prefill``) against float64, on every instruction
-set this CPU runs, and their use by ``cache`` (installed by ``models``) against the compiled chains."""
+"""The C++ extension's prefill kernels (``zoo_cpu.prefill``) against float64, on every instruction
+set this CPU runs, and their use by ``cache`` and the graphs against the compiled chains."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -10,21 +12,20 @@ from hypothesis import strategies as st
 
 import mlx.core as mx
 
-import models  # noqa: F401  (installs the kernels into cache.cpu_math)
-import zoo_switches
-from cache import attention, cpu_math
-from kernels import prefill
+import models
+from cache import attention
 from models import precision
+from zoo_cpu import backend, extension, fast_math, prefill
 
-pytestmark = pytest.mark.skipif(not prefill.available(), reason="the C++ extension is not built here")
+pytestmark = pytest.mark.skipif(not extension.available(), reason="the C++ extension is not built here")
 
-ISAS = prefill.status().module.available_isas() if prefill.available() else []
+ISAS = extension.status().module.available_isas() if extension.available() else []
 
 
 @pytest.fixture(autouse=True)
 def kernels_on():
     """The kernels switched on whatever the environment says (tests switch them off themselves)."""
-    with zoo_switches.override(GEMMA_ZOO_FAST_MATH="1", GEMMA_ZOO_PREFILL_KERNELS="1"):
+    with backend.using(backend.Backend(True, True, backend.for_device().decode)):
         yield
 
 
@@ -121,8 +122,8 @@ def test_gelu_gate_of_a_prefill_mlp_splits_and_matches_the_chain():
     gate = mx.random.normal((1, 512, 2048), key=mx.random.key(2)) * 3
     up = mx.random.normal((1, 512, 2048), key=mx.random.key(3))
     got = prefill.gelu_gated(up, gate)
-    with zoo_switches.override(GEMMA_ZOO_PREFILL_KERNELS="0"):
-        chain = cpu_math.gelu_gated(up, gate)
+    with backend.using(replace(backend.active(), prefill=False)):
+        chain = fast_math.gelu_gated(up, gate)
     assert mx.abs(got - chain).max().item() < 1e-5
 
 
@@ -131,7 +132,7 @@ def test_cache_reads_take_the_kernels_and_the_switch_turns_them_off(monkeypatch)
     monkeypatch.setattr(prefill, "attention", lambda *a: calls.append("attention") or fused(*a))
     q, k, v = (mx.array(a) for a in arrays(np.random.default_rng(3), 1, 4, 1, 64, 64, 32, 32))
     on = attention.attend(q, k, v, 0.2, "causal")
-    with zoo_switches.override(GEMMA_ZOO_PREFILL_KERNELS="0"):
+    with backend.using(replace(backend.active(), prefill=False)):
         off = attention.attend(q, k, v, 0.2, "causal")
     assert calls == ["attention"]
     assert mx.abs(on - off).max().item() < 1e-5
@@ -204,9 +205,9 @@ def test_linear_layer_takes_many_rows_only_and_keeps_its_parameters(monkeypatch)
     for x in (few, many):
         assert mx.abs(layer(x) - base(x)).max().item() < 1e-5
     assert calls == [(2, 33, 24)]
-    with zoo_switches.override(GEMMA_ZOO_PREFILL_KERNELS="0"):
+    with backend.using(replace(backend.active(), prefill=False)):
         layer(many)
-    with zoo_switches.override(GEMMA_ZOO_FAST_MATH="0"):
+    with backend.using(backend.MLX):
         layer(many)
     layer(many.astype(mx.bfloat16))
     assert calls == [(2, 33, 24)]
@@ -237,15 +238,15 @@ def test_loaded_models_take_the_kernels_and_match_float64(tiny_folders, name):
     folder = tiny_folders / name
     model = models.load(str(folder), tokenizer=False)
     linears = [m for _, m in model.graph.named_modules() if isinstance(m, prefill.Linear)]
-    assert linears and any(n.startswith(f"prefill kernels on both cores: attention, GeGLU gate, RoPE, RMSNorm, {len(linears)} ")
-                           for n in model.device_notes)  # fmt: skip
+    assert linears and f"prefill GEMM: {len(linears)} projections of more than {prefill.LINEAR_MIN_ROWS} rows" in model.device_notes
+    assert any(n.startswith("prefill kernels on both cores: attention, GeGLU gate, RoPE, RMSNorm") for n in model.device_notes)
     head = model.graph.head_module()
     assert not isinstance(head, prefill.Linear)
     ids = np.random.default_rng(7).integers(0, 200, (1, 40))
     hf_class = transformers.Gemma3ForCausalLM if name == "gemma3" else transformers.Gemma4ForCausalLM
     want = hf_tiny.float64_logits(hf_class.from_pretrained(folder).eval(), ids)
     on = np.array(model.logits(mx.array(ids)))
-    with zoo_switches.override(GEMMA_ZOO_PREFILL_KERNELS="0"):
+    with backend.using(replace(backend.active(), prefill=False)):
         off = np.array(model.logits(mx.array(ids)))
     assert np.abs(on - want).max() <= max(2 * np.abs(off - want).max(), 1e-5)
 
@@ -290,13 +291,13 @@ def test_norm_and_rope_in_cache_take_the_prefill_kernels_for_prefill_rows_only(m
     x, w = mx.random.normal((1, 20, 64)), mx.random.normal((64,))
     cos, sin = mx.cos(mx.arange(20 * 32).reshape(20, 32) / 7), mx.sin(mx.arange(20 * 32).reshape(20, 32) / 7)
     q = x.reshape(1, 20, 2, 32).transpose(0, 2, 1, 3)
-    norm, rotated = cpu_math.rms_norm(x, w, 1e-6), cpu_math.rotate(q, cos[:, :16], sin[:, :16])
+    norm, rotated = fast_math.rms_norm(x, w, 1e-6), fast_math.rotate(q, cos[:, :16], sin[:, :16])
     assert calls == ["norm", "rotate"]
     assert mx.abs(norm - mx.fast.rms_norm(x, w, 1e-6)).max().item() < 1e-5
-    assert mx.abs(rotated - cpu_math.rotate_half(q, cos[:, :16], sin[:, :16])).max().item() < 1e-5
-    with zoo_switches.override(GEMMA_ZOO_DECODE_KERNELS="0"):  # decode rows: the decode kernels' (tests/test_decode_kernels.py)
-        cpu_math.rms_norm(x[:, :1], w, 1e-6), cpu_math.rotate(q[:, :, :1], cos[:1, :16], sin[:1, :16])
-    cpu_math.rms_norm(x.astype(mx.bfloat16), w, 1e-6)
-    with zoo_switches.override(GEMMA_ZOO_PREFILL_KERNELS="0"):
-        cpu_math.rms_norm(x, w, 1e-6), cpu_math.rotate(q, cos[:, :16], sin[:, :16])
+    assert mx.abs(rotated - fast_math.rotate_half(q, cos[:, :16], sin[:, :16])).max().item() < 1e-5
+    with backend.using(replace(backend.active(), decode=False)):  # decode rows: the decode kernels' (tests/test_decode_kernels.py)
+        fast_math.rms_norm(x[:, :1], w, 1e-6), fast_math.rotate(q[:, :, :1], cos[:1, :16], sin[:1, :16])
+    fast_math.rms_norm(x.astype(mx.bfloat16), w, 1e-6)
+    with backend.using(replace(backend.active(), prefill=False)):
+        fast_math.rms_norm(x, w, 1e-6), fast_math.rotate(q, cos[:, :16], sin[:, :16])
     assert calls == ["norm", "rotate"]

@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("torch")
 
 import models  # noqa: E402
-import zoo_switches  # noqa: E402
+from zoo_cpu import switches  # noqa: E402
 from models.convert import convert  # noqa: E402
 from tests import quant_tiny as qt  # noqa: E402
 from tests.test_gemma3_real_weights import TEXT, folder  # noqa: E402,F401  (folder: a fixture)
@@ -64,7 +64,7 @@ def _nll(logits: mx.array, ids: list[int]) -> float:
 @pytest.mark.parametrize("bits, group_size", list(BOUNDS))
 def test_teacher_forced_kl_and_top1(folder, ids, reference_logits, bits, group_size, capsys):
     start = time.perf_counter()
-    with zoo_switches.override(GEMMA_ZOO_CPU_QUANT="auto"):
+    with switches.override(GEMMA_ZOO_CPU_QUANT="auto"):
         model = models.load(str(folder), tokenizer=False, q_bits=bits, q_group_size=group_size)
         mx.eval(model.graph.parameters())
         load_s = time.perf_counter() - start

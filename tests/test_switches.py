@@ -1,4 +1,4 @@
-"""zoo_switches: one table of the GEMMA_ZOO_* switches, one strict parser, values read once."""
+"""zoo_cpu.switches: one table of the GEMMA_ZOO_* switches, one strict parser, values read once."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import zoo_switches as zs
+from zoo_cpu import switches as zs
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOLS = [name for name, s in zs.SWITCHES.items() if s.kind == "bool"]
@@ -173,16 +173,16 @@ def test_describe_gives_each_switch_its_value_and_source(monkeypatch):
 
 def test_importing_it_loads_no_mlx_and_nothing_of_the_project():
     code = (
-        "import json, sys, zoo_switches; zoo_switches.describe();"
+        "import json, sys; from zoo_cpu import switches; switches.describe();"
         "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in"
-        " ('mlx', 'numpy', 'zoo_blas', 'cache', 'graphs', 'models', 'weights', 'examples'))))"
+        " ('mlx', 'numpy', 'cache', 'graphs', 'models', 'weights', 'examples'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
-def test_zoo_blas_reads_its_switch_through_the_table():
-    code = "import zoo_blas, zoo_switches; print(zoo_switches.source('GEMMA_ZOO_BLAS'), zoo_blas.info()['reason'])"
+def test_the_blas_reads_its_switch_through_the_table():
+    code = "import zoo_cpu; from zoo_cpu import switches; print(switches.source('GEMMA_ZOO_BLAS'), zoo_cpu.blas.info()['reason'])"
     env = {**os.environ, "GEMMA_ZOO_BLAS": "No"}
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split()[0] == "environment"

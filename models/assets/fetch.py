@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import zoo_switches
+from zoo_cpu import switches
 
 ASSETS_ENV = "GEMMA_ZOO_ASSETS"
 
@@ -75,7 +75,7 @@ GEMMA4_VOCAB_SOURCE = SdistFiles(
 
 def assets_dir() -> Path:
     """The folder assets are cached in (created if missing)."""
-    chosen = zoo_switches.value(ASSETS_ENV)
+    chosen = switches.value(ASSETS_ENV)
     if chosen:
         folder = Path(chosen).expanduser()
     else:

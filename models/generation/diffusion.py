@@ -34,11 +34,11 @@ from typing import Iterator, Protocol, Sequence
 import mlx.core as mx
 import numpy as np
 
-from cache import cpu_math
 from graphs.layers import float_dtype
 
 from models.generation.diffusion_options import DiffusionGenerationConfig
 from models.generation.prompts import prefill_chunks, token_runs
+from zoo_cpu import fast_math
 
 DEFAULT_PREFILL_STEP = 512
 
@@ -141,8 +141,8 @@ class Finished:
 # ----------------------------------------------------------------------------- algorithm pieces
 def entropy(logits: mx.array) -> mx.array:
     """Per-position entropy (nats) of ``softmax(logits)``, in float32."""
-    logp = cpu_math.log_softmax(logits)
-    return -(cpu_math.softmax(logits) * logp).sum(axis=-1)
+    logp = fast_math.log_softmax(logits)
+    return -(fast_math.softmax(logits) * logp).sum(axis=-1)
 
 
 def entropy_bound_accept(entropies: mx.array, bound: float) -> mx.array:

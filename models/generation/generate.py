@@ -21,9 +21,11 @@ from typing import Callable, Iterable, Iterator, Sequence
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from cache import cache_offset, cpu_math, quantize_caches, trim_cache
+from cache import cache_offset, quantize_caches, trim_cache
+
 
 from models.generation.prompts import ImageSpan, prefill_chunks
+from zoo_cpu import fast_math
 
 DEFAULT_PREFILL_STEP = 512
 KV_BITS = (2, 3, 4, 5, 6, 8)
@@ -134,7 +136,6 @@ class SamplingOptions:
                 raise GenerationOptionError(name, value, requirement)
 
 
-
 class TokenSampler:
     """Picks one conversation's next token from its logits: the argmax at ``temp == 0``, otherwise
     mlx-lm's top-p, min-p and top-k filters (in ``make_sampler``'s order) and a categorical draw.
@@ -162,7 +163,7 @@ class TokenSampler:
         """The next token of logits ``[1, V]`` (shape ``[1]``), not evaluated."""
         if self.options.temp == 0:  # greedy: the argmax needs no normalising
             return mx.argmax(logits, axis=-1)
-        logprobs = cpu_math.log_softmax(logits)  # mlx-lm's filters take log-probabilities
+        logprobs = fast_math.log_softmax(logits)  # mlx-lm's filters take log-probabilities
         for keep in self.filters:
             logprobs = keep(logprobs)
         self.key, draw = mx.random.split(self.key)

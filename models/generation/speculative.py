@@ -27,7 +27,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-from cache import cache_offset, cpu_math, owning_caches, trim_cache
+from cache import cache_offset, owning_caches, trim_cache
+
 from graphs.gemma4_assistant import Gemma4AssistantModel
 from graphs.gemma4_assistant_config import DrafterMismatchError
 
@@ -36,6 +37,7 @@ from models.generation.generate import (
     check_positive_int, prefill,
 )  # fmt: skip
 from models.generation.prompts import ImageSpan
+from zoo_cpu import fast_math
 
 MAX_DRAFT_TOKENS = 16  # a rollback of k positions must fit a sliding cache's slack (16 by default)
 
@@ -63,7 +65,7 @@ class SpeculationCounts:
 def distribution(logits: mx.array, options: SamplingOptions) -> mx.array:
     """The probabilities ``[..., V]`` mlx-lm's sampler draws from for ``options`` (temp > 0): its
     filters (top-p, min-p, top-k, in its order) on the log-probabilities, then ``softmax(x / temp)``."""
-    logprobs = cpu_math.log_softmax(logits.astype(mx.float32))
+    logprobs = fast_math.log_softmax(logits.astype(mx.float32))
     if 0 < options.top_p < 1.0:
         logprobs = apply_top_p(logprobs, options.top_p)
     if options.min_p != 0.0:

@@ -2,7 +2,7 @@
 
 Each computes what the module it replaces computes, on this rank's part of the weights, plus the
 one collective that puts the parts together. Each is the loaded module itself (plain, quantized or
-packed for the CPU kernels: ``kernels.PackedLinear``), rebuilt as a subclass of its own class with
+packed for the CPU kernels: ``zoo_cpu.packed.PackedLinear``), rebuilt as a subclass of its own class with
 a new call, keeping its settings, parameter names and arrays, so its product is unchanged and so
 is the graph code calling it:
 
@@ -78,7 +78,7 @@ def _rebuilt(module: nn.Module, mixin: type, **attributes) -> nn.Module:
     """A new module of ``module``'s own class with ``mixin``'s call, holding the same settings and arrays.
 
     Made without running the class's ``__init__`` (which would draw, and for the quantized kinds
-    quantize, a random matrix), as ``kernels.PackedLinear.of`` makes its modules."""
+    quantize, a random matrix), as ``zoo_cpu.packed.PackedLinear.of`` makes its modules."""
     if not isinstance(module, (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)):
         raise TypeError(f"{mixin.__name__}: cannot rebuild a {type(module).__name__}")
     base = type(module)

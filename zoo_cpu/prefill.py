@@ -1,4 +1,4 @@
-"""A prefill's work on both CPU cores: float32 kernels of ``kernels._packed`` (``kernels/src/prefill*``).
+"""A prefill's work on both CPU cores: float32 kernels of the zoo's extension (``zoo_cpu/src/prefill*``).
 
 MLX's CPU element-wise kernels run on one core, its CPU attention is separate products around a
 softmax, and MKL, which runs MLX's GEMMs, treats this AMD CPU as a generic one (its float32 GEMM
@@ -8,57 +8,30 @@ AVX-512, AVX2 and portable vector code:
 - ``attention(q, keys, values, scale, mask)``: ``softmax(q k^T * scale + mask) v`` for a chunk of
   queries, per block of 32 query rows of one head: the scores against keys packed once per kv
   head (GQA's query heads share them), the masked softmax in float32 (Cephes' ``exp``, as
-  ``cache.cpu_math``), the product with the values; a causal block computes only the keys up to
+  ``zoo_cpu.fast_math``), the product with the values; a causal block computes only the keys up to
   its last query;
 - ``linear(x, w)``: ``x @ w.T`` (the projections), ``x`` packed in panels of 32 rows, tiles of 12
   weight rows; ``Linear`` is an ``nn.Linear`` taking it for many rows, which
-  ``models.cpu_kernels.apply`` puts in a loaded graph;
-- ``gelu_gated(up, gate)`` (Eigen's rational ``tanh``, as ``cache.cpu_math``), ``rms_norm(x, weight,
+  ``models.precision`` puts in a loaded graph;
+- ``gelu_gated(up, gate)`` (Eigen's rational ``tanh``, as ``zoo_cpu.fast_math``), ``rms_norm(x, weight,
   eps)`` and ``rotate(x, cos, sin)`` (RoPE by tables), split by rows.
 
-Each computes what MLX's ops or ``cache.cpu_math``'s compiled chains compute, in float32, up to
-summation order (``tests/test_prefill_kernels.py`` bounds them against float64). ``cache`` imports
-nothing of the project, so ``models`` installs this module there (``cache.cpu_math.install``).
-``on()`` says whether they run (``GEMMA_ZOO_PREFILL_KERNELS=0`` or ``GEMMA_ZOO_FAST_MATH=0``: MLX's
-ops). ``docs/speed.md`` has the measurements.
+Each computes what MLX's ops or ``zoo_cpu.fast_math``'s compiled chains compute, in float32, up to
+summation order (``tests/test_prefill_kernels.py`` bounds them against float64). ``fast_math``
+calls them where ``zoo_cpu.backend`` says they run (``GEMMA_ZOO_PREFILL_KERNELS=0`` or
+``GEMMA_ZOO_FAST_MATH=0``: MLX's ops). ``docs/speed.md`` has the measurements.
 """
 
 from __future__ import annotations
 
-import zoo_blas  # noqa: F401  (before mlx)
-
 import mlx.core as mx
 import mlx.nn as nn
 
-import zoo_switches
+from . import backend
+from .extension import module as _module
 
-from . import status
-
-
-FAST_MATH, SWITCH = "GEMMA_ZOO_FAST_MATH", "GEMMA_ZOO_PREFILL_KERNELS"
 # Products of more rows than this take the GEMM; fewer (decode) stay MLX's (the BLAS's gemv).
 LINEAR_MIN_ROWS = 8
-
-
-def available() -> bool:
-    """Whether the extension (and so these kernels) runs in this process (``kernels.status()``)."""
-    return status().available
-
-
-def on() -> bool:
-    """Whether the kernels run now: built, on the CPU, and neither ``GEMMA_ZOO_FAST_MATH=0`` (MLX's
-    own ops) nor ``GEMMA_ZOO_PREFILL_KERNELS=0``."""
-    return (
-        available() and zoo_switches.enabled(FAST_MATH) and zoo_switches.enabled(SWITCH)
-        and mx.default_device() == mx.cpu
-    )  # fmt: skip
-
-
-def _module():
-    s = status()
-    if not s.available:
-        raise RuntimeError(f"the prefill kernels are unavailable: {s.note}")
-    return s.module
 
 
 def takes(q: mx.array, keys: mx.array, values: mx.array, mask) -> bool:
@@ -114,7 +87,7 @@ def linear(x: mx.array, w: mx.array, isa: str | None = None) -> mx.array:
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same saved form) whose float32 products of more than
-    ``LINEAR_MIN_ROWS`` rows take ``linear`` while ``on()``; decode rows stay MLX's."""
+    ``LINEAR_MIN_ROWS`` rows take ``linear`` while the backend runs the prefill kernels; decode rows stay MLX's."""
 
     @classmethod
     def of(cls, module: nn.Linear) -> "Linear":
@@ -129,7 +102,7 @@ class Linear(nn.Linear):
 
     def __call__(self, x: mx.array) -> mx.array:
         w = self["weight"]
-        if x.size <= LINEAR_MIN_ROWS * x.shape[-1] or x.dtype != mx.float32 or w.dtype != mx.float32 or not on():
+        if x.size <= LINEAR_MIN_ROWS * x.shape[-1] or x.dtype != mx.float32 or w.dtype != mx.float32 or not backend.active().prefill:
             return super().__call__(x)
         y = linear(x, w)
         return y + self["bias"] if "bias" in self else y

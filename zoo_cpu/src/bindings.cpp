@@ -1,4 +1,4 @@
-// Python bindings of the packed kernels (module kernels._packed), in nanobind's "mlx" domain so
+// Python bindings of the packed kernels (module zoo_cpu._packed), in nanobind's "mlx" domain so
 // that MLX's own array type is shared with mlx.core.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>

@@ -1,8 +1,8 @@
-"""A decode step's small work as one graph node each: ``kernels._packed``'s decode primitives.
+"""A decode step's small work as one graph node each: the zoo extension's decode primitives.
 
 A decode step of the 270M is ~1,200 MLX graph nodes, and on the CPU each node costs its stream a
 task handed to a worker thread, which on a small model outweighs the arithmetic. The extension
-(``kernels/src/decode*``) adds two primitives, and ``kernels.prefill.rms_norm`` takes a shift and
+(``zoo_cpu/src/decode*``) adds two primitives, and ``zoo_cpu.prefill.rms_norm`` takes a shift and
 a residual, so that the pieces a layer repeats are one node each:
 
 - ``heads``: a layer's projected queries, keys and values ``[B, 1, N]`` as heads: queries and keys
@@ -12,32 +12,16 @@ a residual, so that the pieces a layer repeats are one node each:
   a row given as an array, read in place (no slice of the planes is made), masked by the mask the
   cache built; parts of the run on the extension's threads, merged by their maxima.
 
-Float32 only, the same arithmetic as ``cache.cpu_math``'s chains up to summation order
-(``tests/test_decode_kernels.py``). ``models`` installs this module into ``cache.cpu_math``
-(``models/cpu_kernels.py``); ``on()`` says whether it runs (``GEMMA_ZOO_DECODE_KERNELS=0`` or
-``GEMMA_ZOO_FAST_MATH=0``: MLX's ops).
+Float32 only, the same arithmetic as ``zoo_cpu.fast_math``'s chains up to summation order
+(``tests/test_decode_kernels.py``). ``fast_math`` and ``cache`` call them where ``zoo_cpu.backend``
+says they run (``GEMMA_ZOO_DECODE_KERNELS=0`` or ``GEMMA_ZOO_FAST_MATH=0``: MLX's ops).
 """
 
 from __future__ import annotations
 
-import zoo_blas  # noqa: F401  (before mlx)
-
 import mlx.core as mx
 
-import zoo_switches
-
-from . import prefill, status
-
-SWITCH = "GEMMA_ZOO_DECODE_KERNELS"
-
-
-def on() -> bool:
-    """Whether the decode kernels run now: built, on the CPU, ``GEMMA_ZOO_FAST_MATH`` and
-    ``GEMMA_ZOO_DECODE_KERNELS`` on."""
-    return (
-        status().available and zoo_switches.enabled(prefill.FAST_MATH) and zoo_switches.enabled(SWITCH)
-        and mx.default_device() == mx.cpu
-    )  # fmt: skip
+from .extension import module as _module
 
 
 def heads(projected: mx.array, heads: int, kv_heads: int, has_v: bool, head_dim: int, q_weight, k_weight,
@@ -45,7 +29,7 @@ def heads(projected: mx.array, heads: int, kv_heads: int, has_v: bool, head_dim:
     """``[q]`` or ``[q, k, v]`` (``[B, H, 1, D]``) from ``projected [B, 1, N]``: the queries, then
     ``kv_heads`` keys and (``has_v``) values side by side; without ``has_v`` the values are the raw
     keys. ``cos``/``sin`` ``[1, D/2]`` are the position's RoPE tables."""
-    return status().module.decode_heads(
+    return _module().decode_heads(
         projected, heads, kv_heads, has_v, head_dim, q_weight, k_weight, float(shift), float(eps), v_norm, cos, sin,
         isa or "",
     )  # fmt: skip
@@ -56,4 +40,4 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, start: mx.array, si
     """``softmax(q k^T * scale + mask) v`` for ``q [B, Hq, 1, D]`` over rows ``[start, start + size)``
     of ``keys``/``values [B, Hkv, T, D]``; ``start`` an int32 array, ``mask`` None or bool ``[1 or B, size]``."""
     start = start.reshape(1).astype(mx.int32)
-    return status().module.decode_attention(q, keys, values, start, size, float(scale), mask, isa or "")
+    return _module().decode_attention(q, keys, values, start, size, float(scale), mask, isa or "")

@@ -7,12 +7,12 @@ yes/no`` (any case), a choice takes its listed values, and anything else raises 
 naming the variable, the value and what is allowed; nothing is silently taken as on or off. An
 empty or unset variable means the default.
 
-    import zoo_switches
-    if zoo_switches.enabled("GEMMA_ZOO_STREAMS"): ...          # booleans
-    policy = zoo_switches.value("GEMMA_ZOO_CPU_QUANT")         # "auto", "dequantize", ...
-    print(zoo_switches.describe())                             # one line per switch
+    from zoo_cpu import switches
+    if switches.enabled("GEMMA_ZOO_STREAMS"): ...          # booleans
+    policy = switches.value("GEMMA_ZOO_CPU_QUANT")         # "auto", "dequantize", ...
+    print(switches.describe())                             # one line per switch
 
-Tests change a switch with ``with zoo_switches.override(GEMMA_ZOO_COMPILE="0"): ...`` (validated,
+Tests change a switch with ``with switches.override(GEMMA_ZOO_COMPILE="0"): ...`` (validated,
 restored on exit), or set the environment and call ``reload()``. ``get(name, environ)`` parses a
 given mapping without touching the cache (e.g. a child process's environment).
 
@@ -98,7 +98,7 @@ SWITCHES: dict[str, Switch] = {
     for s in (
         Switch(
             "GEMMA_ZOO_BLAS", "choice", "auto",
-            "which BLAS zoo_blas (and its import hook) loads under MLX's Linux CPU build (auto: MKL, else OpenBLAS; off: none)",
+            "which BLAS zoo_cpu.blas loads under MLX's Linux CPU build (auto: MKL, else OpenBLAS; off: none)",
             choices=("auto", "mkl", "openblas", "off"),
             aliases={"1": "auto", "on": "auto", "true": "auto", "yes": "auto",
                      "0": "off", "false": "off", "no": "off", "none": "off", "reference": "off"},
@@ -114,7 +114,7 @@ SWITCHES: dict[str, Switch] = {
         ),
         Switch(
             "GEMMA_ZOO_DECODE_KERNELS", "bool", True,
-            "with GEMMA_ZOO_FAST_MATH on the CPU where the C++ extension is built: a decode step's norms, query/key/value heads and attention as one kernel node each (kernels/decode.py); off: MLX's ops",
+            "with GEMMA_ZOO_FAST_MATH on the CPU where the C++ extension is built: a decode step's norms, query/key/value heads and attention as one kernel node each (zoo_cpu/decode.py); off: MLX's ops",
         ),
         Switch(
             "GEMMA_ZOO_STREAMS", "bool", True,
@@ -170,7 +170,7 @@ def enabled(name: str) -> bool:
         return bool(value(name))
     if "off" in s.choices:
         return value(name) != "off"
-    raise TypeError(f"{name} is not an on/off switch ({s.allowed()}); use zoo_switches.value({name!r})")
+    raise TypeError(f"{name} is not an on/off switch ({s.allowed()}); use zoo_cpu.switches.value({name!r})")
 
 
 def source(name: str) -> str:

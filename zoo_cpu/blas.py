@@ -7,19 +7,13 @@ library's own dependencies, so a BLAS loaded earlier with ``RTLD_GLOBAL`` suppli
 (and the LAPACK routines) instead: no file of MLX is touched and nothing is rebuilt. Once
 ``libmlx.so`` is loaded its symbols are bound, so the load must come first.
 
-``preload()`` does that once per process, at the first import of this module. Two things import
-it before MLX:
+``preload()`` does that once per process, when ``zoo_cpu`` is first imported: every package of
+the zoo (``cache``, ``graphs``, ``models``, ``weights``, ``examples``) imports ``zoo_cpu`` first,
+and ``zoo_cpu/__init__.py`` imports this module without importing MLX. Nothing is installed into
+other programs: a process that imports ``mlx.core`` before the zoo gets MLX's bundled BLAS and one
+``SlowBlasWarning`` naming the fix (import the zoo first, or set ``GEMMA_ZOO_BLAS=off``).
 
-- every package of the zoo (``cache``, ``graphs``, ``models``, ``weights``, ``examples``) imports
-  it first. It is a top-level module, not part of a package, because a package's ``__init__``
-  would import MLX (and the other packages) before the preload could run;
-- the import hook: installing the project puts ``gemma_mlx_zoo_blas.pth`` (``HOOK_FILE``) in
-  site-packages (``setup.py`` writes it from ``HOOK_SOURCE``). Python's ``site`` runs it at start;
-  it only adds a ``sys.meta_path`` finder that imports this module when ``mlx`` is first imported,
-  so ``import mlx.core; import models`` gets the fast BLAS too, and a process that never imports
-  MLX loads nothing. ``GEMMA_ZOO_BLAS=off`` makes it load nothing as well.
-
-What is loaded (``$GEMMA_ZOO_BLAS``, parsed by ``zoo_switches``):
+What is loaded (``$GEMMA_ZOO_BLAS``, parsed by ``zoo_cpu.switches``):
 
 - ``auto`` (default): Intel oneMKL from the ``mkl`` wheel (the ``fast-cpu`` extra, installed by
   default on Linux x86-64), else the system OpenBLAS (Debian's ``libopenblas0``), else nothing;
@@ -28,8 +22,8 @@ What is loaded (``$GEMMA_ZOO_BLAS``, parsed by ``zoo_switches``):
 - a path to a shared library: that library (it must export ``cblas_sgemm``).
 
 Nothing is loaded on macOS (MLX uses Accelerate), on other CPUs than x86-64, on MLX's CUDA build,
-or on an MLX built without the bundled BLAS. When ``mlx.core`` was imported before this module
-(and the hook did not run) it is too late: ``preload()`` emits one ``SlowBlasWarning`` naming the
+or on an MLX built without the bundled BLAS. When ``mlx.core`` was imported before this module it
+is too late: ``preload()`` emits one ``SlowBlasWarning`` naming the
 fix, and ``describe()`` (the line ``--verbose`` prints) says so.
 """
 
@@ -39,13 +33,12 @@ import ctypes
 import ctypes.util
 import os
 import platform
-import site
 import sys
 import warnings
 from importlib import metadata
 from pathlib import Path
 
-import zoo_switches
+from . import switches
 
 ENV = "GEMMA_ZOO_BLAS"
 
@@ -54,52 +47,7 @@ ENV = "GEMMA_ZOO_BLAS"
 # decode step gets slower; 0 puts them to sleep at once. Applied only when the user has not set it.
 MKL_DEFAULTS = {"KMP_BLOCKTIME": "0"}
 
-# The import hook. ``setup.py`` reads these three definitions (without importing this module) and
-# writes ``pth_line()`` into ``HOOK_FILE`` at the root of the wheel, i.e. into site-packages.
-HOOK_FILE = "gemma_mlx_zoo_blas.pth"
-HOOK_SOURCE = """
-import sys
-
-
-class GemmaZooBlasHook:
-    \"\"\"gemma-mlx-zoo: import zoo_blas (the fast CPU BLAS) just before mlx is first imported.\"\"\"
-
-    loading = False
-
-    @classmethod
-    def find_spec(cls, name, path=None, target=None):
-        if name != "mlx" or cls.loading:
-            return None
-        cls.loading = True
-        try:
-            import zoo_blas  # noqa: F401
-        except ModuleNotFoundError as err:
-            if err.name not in ("zoo_blas", "zoo_switches"):
-                cls.warn(err)
-        except Exception as err:
-            cls.warn(err)
-        finally:
-            if cls in sys.meta_path:
-                sys.meta_path.remove(cls)
-        return None
-
-    @staticmethod
-    def warn(err):
-        import warnings
-
-        warnings.warn(f"gemma-mlx-zoo's BLAS import hook failed: {err}", RuntimeWarning, stacklevel=3)
-
-
-# Once per process, and only while mlx is still to come (site may see the same folder twice).
-if "mlx" not in sys.modules and not any(getattr(f, "__name__", "") == "GemmaZooBlasHook" for f in sys.meta_path):
-    sys.meta_path.insert(0, GemmaZooBlasHook)
-"""
-
-
-def pth_line() -> str:
-    """The line of ``HOOK_FILE``: ``site`` executes ``.pth`` lines that start with ``import``."""
-    return f"import sys; exec({HOOK_SOURCE!r}, {{'__name__': 'gemma_mlx_zoo_blas_hook'}})\n"
-
+FIX = "import the zoo (any of its packages, or zoo_cpu) before mlx.core"
 
 class SlowBlasWarning(RuntimeWarning):
     """``mlx.core`` was imported before the fast BLAS could be loaded: CPU matmuls use the slow one."""
@@ -119,9 +67,8 @@ def preload() -> dict:
 
 
 def info() -> dict:
-    """``{"name", "version", "path", "loaded", "reason", "hook", "warning"}`` of the BLAS MLX's float32
-    matmuls use; ``hook`` is the installed import hook's path (or None), ``warning`` the too-late
-    warning's text (or None)."""
+    """``{"name", "version", "path", "loaded", "reason", "warning"}`` of the BLAS MLX's float32
+    matmuls use; ``warning`` is the too-late warning's text (or None)."""
     return preload()
 
 
@@ -132,49 +79,33 @@ def describe() -> str:
     return f"BLAS: {name} ({s['reason']})"
 
 
-def hook_path() -> str | None:
-    """Where the import hook (``HOOK_FILE``) is installed, if it is on this interpreter's site path."""
-    dirs = list(sys.path)
-    try:
-        dirs = site.getsitepackages() + [site.getusersitepackages()] + dirs
-    except AttributeError:  # an old virtualenv's site module
-        pass
-    for folder in dict.fromkeys(dirs):
-        candidate = Path(folder or ".", HOOK_FILE)
-        if candidate.is_file():
-            return str(candidate)
-    return None
-
-
 # ---------------------------------------------------------------------------------------- internals
 def _preload() -> dict:
-    setting = zoo_switches.value(ENV)  # ValueError for a value it does not know
-    hook = hook_path()
+    setting = switches.value(ENV)  # ValueError for a value it does not know
     if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return _none("MLX's own BLAS", f"{sys.platform}/{platform.machine()}: nothing to replace", hook)
+        return _none("MLX's own BLAS", f"{sys.platform}/{platform.machine()}: nothing to replace")
     build = _mlx_build()
     if build != "cpu":
-        return _none("MLX's own BLAS", build, hook)
+        return _none("MLX's own BLAS", build)
     present = _already_mapped()
     if present:
-        return {"name": present[0], "version": None, "path": present[1], "loaded": True, "hook": hook, "warning": None,
+        return {"name": present[0], "version": None, "path": present[1], "loaded": True, "warning": None,
                 "reason": "already in the process before the zoo loaded one (LD_PRELOAD?)"}
     if setting == "off":
-        return _none("MLX's bundled reference BLAS", f"{ENV}=off", hook)
+        return _none("MLX's bundled reference BLAS", f"{ENV}=off")
     candidates = _candidates(setting)
     if not candidates:
         return _none("MLX's bundled reference BLAS",
                      f"{ENV}={setting}: not installed" if setting != "auto" else
-                     'no fast BLAS installed; pip install "gemma-mlx-zoo[fast-cpu]" or apt-get install libopenblas0', hook)
+                     'no fast BLAS installed; pip install "gemma-mlx-zoo[fast-cpu]" or apt-get install libopenblas0')
     if "mlx.core" in sys.modules:
         state = _none("MLX's bundled reference BLAS",
-                      "mlx.core was imported before the zoo, too late to load a fast BLAS; " + _fix(hook), hook)
+                      "mlx.core was imported before the zoo, too late to load a fast BLAS; " + FIX)
         state["warning"] = (
             f"mlx.core was imported before gemma-mlx-zoo: MLX's CPU matmuls use its slow bundled reference BLAS, "
-            f"not {candidates[0][0]}. Fix: {_fix(hook)}; {ENV}=off keeps the bundled BLAS without this warning."
+            f"not {candidates[0][0]}. Fix: {FIX}; {ENV}=off keeps the bundled BLAS without this warning."
         )
         return state
-    by_hook = any(getattr(f, "__name__", "") == "GemmaZooBlasHook" and getattr(f, "loading", False) for f in sys.meta_path)
     errors = []
     for name, path in candidates:
         if name == "Intel oneMKL":
@@ -186,22 +117,13 @@ def _preload() -> dict:
         except (OSError, AttributeError) as err:
             errors.append(f"{path}: {err}")
             continue
-        how = f"by the import hook {hook}" if by_hook else ""
-        return {"name": name, "version": _version(name, lib), "path": str(path), "loaded": True, "hook": hook,
-                "warning": None, "reason": f"loaded before mlx.core{' ' + how if how else ''}; {ENV}=off turns it off"}
-    return _none("MLX's bundled reference BLAS", "; ".join(errors), hook)
+        return {"name": name, "version": _version(name, lib), "path": str(path), "loaded": True,
+                "warning": None, "reason": f"loaded before mlx.core; {ENV}=off turns it off"}
+    return _none("MLX's bundled reference BLAS", "; ".join(errors))
 
 
-def _fix(hook: str | None) -> str:
-    if hook:
-        return (f"import a zoo package (or zoo_blas) before mlx.core; the import hook {hook} is installed "
-                "but did not run in this process (python -S? mlx imported while site was starting?)")
-    return ("import a zoo package (or zoo_blas) before mlx.core, or reinstall gemma-mlx-zoo "
-            "(pip install -e . or pip install .) to get its import hook, which loads it in any import order")
-
-
-def _none(name: str, reason: str, hook: str | None) -> dict:
-    return {"name": name, "version": None, "path": None, "loaded": False, "reason": reason, "hook": hook, "warning": None}
+def _none(name: str, reason: str) -> dict:
+    return {"name": name, "version": None, "path": None, "loaded": False, "reason": reason, "warning": None}
 
 
 def _mlx_build() -> str:
@@ -286,5 +208,3 @@ def _already_mapped() -> tuple[str, str] | None:
                 return name, line.split()[-1]
     return None
 
-
-preload()

@@ -10,14 +10,16 @@ what each buys in a prefill).
 Accuracy (float32, checked in ``tests/test_cpu_math.py`` against float64): ``exp`` within 1e-7
 relative (Cephes' ``expf``: round to a power of two, degree-7 polynomial; MLX's own CPU ``exp`` is
 within 4e-6), ``tanh`` within 4e-7 absolute (Eigen's rational ``[13/6]`` approximation, the one
-XLA uses). They are used only where the default device is the CPU; GPUs keep MLX's fused kernels
-(``mx.fast.scaled_dot_product_attention``, ``nn.gelu_approx``). ``GEMMA_ZOO_FAST_MATH=0`` turns
-them off on the CPU too. Without a C++ compiler MLX runs the same chains unfused.
+XLA uses). They run where ``zoo_cpu.backend`` says ``fast_math`` (the CPU, unless
+``GEMMA_ZOO_FAST_MATH=0``); elsewhere, as on a GPU, MLX's fused kernels do the work
+(``mx.fast.scaled_dot_product_attention``, ``nn.gelu_approx``). Without a C++ compiler MLX runs
+the same chains unfused.
 
-Where the zoo's C++ extension is built, a prefill's attention, GeGLU gate, RoPE and RMSNorm run
-instead as kernels on both cores with the same arithmetic (``install``; ``GEMMA_ZOO_PREFILL_KERNELS=0``
-keeps the chains and ``mx.fast.rms_norm``), and a decode step's norms, attention heads and
-attention as one graph node each (``GEMMA_ZOO_DECODE_KERNELS=0`` keeps MLX's ops).
+Where the backend runs the extension's kernels, a prefill's attention, GeGLU gate, RoPE and RMSNorm
+run instead as kernels on both cores with the same arithmetic (``zoo_cpu.prefill``;
+``GEMMA_ZOO_PREFILL_KERNELS=0`` keeps the chains and ``mx.fast.rms_norm``), and a decode step's
+norms, attention heads and attention as one graph node each (``zoo_cpu.decode``;
+``GEMMA_ZOO_DECODE_KERNELS=0`` keeps MLX's ops).
 """
 
 from __future__ import annotations
@@ -25,56 +27,24 @@ from __future__ import annotations
 import math
 from functools import partial
 
-import zoo_blas  # noqa: F401  (before mlx)
-
 import mlx.core as mx
 import mlx.nn as nn
 
-import zoo_switches
-
-ENV = "GEMMA_ZOO_FAST_MATH"
+from . import backend, prefill
 
 
 def active() -> bool:
-    """Whether the polynomial kernels replace MLX's ops: on the CPU, unless switched off."""
-    return zoo_switches.enabled(ENV) and mx.default_device() == mx.cpu
-
-
-# ---------------------------------------------------------------------------------------- the extension's kernels
-# A prefill's attention, GeGLU gate, RoPE and RMSNorm as kernels on both cores (``kernels.prefill``,
-# a C++ extension). ``cache`` imports nothing of the project, so the models layer, which may import
-# ``kernels``, installs them here when the extension is built (``models/cpu_kernels.py``).
-_native = None
-_decode = None
-
-
-def install(native, decode=None) -> None:
-    """Use ``native`` for float32 prefill work on the CPU: a module or object with ``on()`` (whether
-    it runs now: on the CPU, ``GEMMA_ZOO_FAST_MATH`` and ``GEMMA_ZOO_PREFILL_KERNELS`` on),
-    ``takes(q, keys, values, mask)``, ``attention(q, keys, values, scale, mask)``,
-    ``gelu_gated(up, gate)``, ``rotate(x, cos, sin)`` and ``rms_norm(x, weight, eps, shift,
-    residual)`` (``kernels.prefill``); and ``decode`` for a decode step's work: ``on()``,
-    ``heads(...)`` and ``attention(q, keys, values, start, size, scale, mask)`` (``kernels.decode``,
-    whose norms are ``native``'s). ``None`` removes them."""
-    global _native, _decode
-    _native, _decode = native, decode
-
-
-def native():
-    """The installed prefill kernels when they run now, else None."""
-    return _native if _native is not None and _native.on() else None
-
-
-def decode():
-    """The installed decode kernels when they run now, else None."""
-    return _decode if _decode is not None and _native is not None and _decode.on() else None
+    """Whether the polynomial kernels replace MLX's ops (the backend's ``fast_math``)."""
+    return backend.active().fast_math
 
 
 def _kernels_for(x: mx.array):
-    """The installed kernels that take ``x``'s rows now: a prefill's (``[B, L, ...]`` or ``[B, heads,
-    L, D]`` with L > 1) while ``native()`` runs, a decode step's while ``decode()`` runs; else None."""
+    """``zoo_cpu.prefill`` where its kernels take ``x``'s rows now: a prefill's (``[B, L, ...]`` or
+    ``[B, heads, L, D]`` with L > 1) where the backend runs the prefill kernels, a decode step's
+    where it runs the decode kernels (they share the prefill kernels' norms and gate); else None."""
+    chosen = backend.active()
     positions = x.ndim > 1 and x.shape[-2] > 1
-    return native() if positions else (_native if decode() is not None else None)
+    return prefill if (chosen.prefill if positions else chosen.decode) else None
 
 
 # ---------------------------------------------------------------------------------------- exp
@@ -174,7 +144,7 @@ def tanh(x: mx.array) -> mx.array:
 def gelu_gated(up: mx.array, gate: mx.array) -> mx.array:
     """GeGLU's gating ``gelu(gate) * up`` with the tanh GELU (transformers' ``gelu_pytorch_tanh``);
     on the CPU the GELU is computed in float32 and rounded once to ``gate``'s dtype, as torch does.
-    Float32 rows of a prefill take the installed kernel (both cores), and of a decode step too with
+    Float32 rows of a prefill take the prefill kernel (both cores), and of a decode step too with
     the decode kernels on (one graph node); else the compiled chain."""
     if not active():
         return nn.gelu_approx(gate) * up
@@ -186,8 +156,8 @@ def gelu_gated(up: mx.array, gate: mx.array) -> mx.array:
 
 def gelu_gated_joined(joined: mx.array) -> mx.array:
     """``gelu_gated(up, gate)`` of one product's joined output ``[..., up | gate]`` (an MLP's up and
-    gate as one packed product): float32 rows through the installed kernel without splitting it first."""
-    runs = _kernels_for(joined) if active() else None
+    gate as one packed product): float32 rows through the kernel without splitting it first."""
+    runs = _kernels_for(joined)
     if runs is not None and joined.dtype == mx.float32:
         return runs.gelu_gated(joined, None)
     return gelu_gated(*mx.split(joined, 2, axis=-1))
@@ -210,10 +180,9 @@ _rotate_chain = mx.compile(rotate_half)
 
 def rotate(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
     """``rotate_half`` compiled; float32 rows of a prefill (``[L, D/2]`` or ``[B, 1, L, D/2]`` tables)
-    take the installed kernel (both cores)."""
-    kernels = native()
-    if kernels is not None and x.shape[-2] > 1 and x.dtype == cos.dtype == sin.dtype == mx.float32:
-        return kernels.rotate(x, cos, sin)
+    take the prefill kernel (both cores)."""
+    if backend.active().prefill and x.shape[-2] > 1 and x.dtype == cos.dtype == sin.dtype == mx.float32:
+        return prefill.rotate(x, cos, sin)
     return _rotate_chain(x, cos, sin)
 
 
@@ -223,7 +192,7 @@ def rms_norm(x: mx.array, weight: mx.array | None, eps: float, shift: float = 0.
     Gemma 2/3's ``1 + weight``; ``residual`` None or an array of x's shape), the norm computed in
     float32 (``weight`` in float32, or None) and rounded once to ``x``'s dtype, as Gemma's norms
     are: ``mx.fast.rms_norm``; float32 rows of a prefill, and of a decode step with the decode
-    kernels on, through the installed kernel (one graph node with its shift and residual)."""
+    kernels on, through the prefill kernel (one graph node with its shift and residual)."""
     runs = _kernels_for(x)
     float32 = all(a is None or a.dtype == mx.float32 for a in (x, weight, residual))
     if runs is not None and float32:

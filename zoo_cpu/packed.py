@@ -1,10 +1,9 @@
-"""Packed 4- and 8-bit weights on MLX's CPU device, at memory bandwidth (a small MLX C++ extension).
+"""Packed 4- and 8-bit weights on MLX's CPU device, at memory bandwidth (the extension's products).
 
-MLX's CPU ``quantized_matmul`` is a scalar loop (112 ms for the 270M's 4-bit head), so on the CPU
-the zoo used to dequantize quantized checkpoints to float32: quantization bought disk space, not
-speed. ``kernels._packed`` (``kernels/src``, built by ``pip install -e .`` on Linux x86-64; see
-``setup.py``) adds two MLX primitives over MLX's own affine layout (and the float32 prefill
-primitives of ``kernels.prefill``):
+MLX's CPU ``quantized_matmul`` is a scalar loop (112 ms for the 270M's 4-bit head), so without
+these the zoo dequantizes quantized checkpoints to float32 on the CPU: quantization would buy disk
+space, not speed. The extension (``zoo_cpu.extension``) adds two MLX primitives over MLX's own
+affine layout:
 
 - ``packed_matmul(x, w, scales, biases, group_size, bits)``: ``x @ dequantize(w).T`` for a few rows
   of ``x``, reading the packed bytes once (AVX-512 or AVX2 + FMA, chosen at run time, else plain
@@ -12,31 +11,20 @@ primitives of ``kernels.prefill``):
   with the float32 activations, so the result is the dequantized float32 product up to summation
   order (``tests/test_packed_kernels.py`` bounds the difference);
 - ``packed_dequantize(w, scales, biases, group_size, bits)``: the float32 weight, for products with
-  many rows (prefill), which then go through the BLAS like any float32 matmul.
+  many rows (prefill), which then go through the prefill GEMM or the BLAS.
 
 ``PackedLinear`` and ``PackedEmbedding`` are ``nn.QuantizedLinear`` / ``nn.QuantizedEmbedding``
 with the same parameters whose products take these paths (``product``); ``models.precision`` puts
-them in place of the quantized layers on the CPU. ``status()`` says whether the extension runs
-here and, when not, why (not built on this platform, no compiler at install time, built for
-another MLX, MLX's GPU build); ``describe()`` is the line ``--verbose`` prints.
-
-This package imports nothing of the zoo but ``zoo_blas`` (first, for the BLAS under MLX).
+them in place of the quantized layers where the extension runs.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
-import sys
-from dataclasses import dataclass
-from pathlib import Path
-
-import zoo_blas  # noqa: F401  (before mlx)
-
 import mlx.core as mx
 import mlx.nn as nn
 
-BUILD_FILE = Path(__file__).with_name("_build.json")  # written by setup.py's build step
+from . import backend, extension, prefill
+
 # Products of more rows than this dequantize their weight and go through the prefill GEMM (or the
 # BLAS): on the 270M's layer shapes the kernel is 1.3-5x faster up to 16 rows, even at 24-32 for
 # 4-bit and up to 1.4x slower at 32 for 8-bit (docs/speed.md).
@@ -48,89 +36,26 @@ BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
 
 
-@dataclass(frozen=True)
-class Status:
-    """Whether the packed kernels run in this process: ``module`` (None when not) and ``note``."""
-
-    module: object | None
-    note: str
-
-    @property
-    def available(self) -> bool:
-        return self.module is not None
-
-
-_status: Status | None = None
-
-
-def status() -> Status:
-    """The extension, loaded once, or why it cannot run here."""
-    global _status
-    if _status is None:
-        _status = _load()
-    return _status
-
-
-def _load() -> Status:
-    if sys.platform == "darwin":
-        return Status(None, "not built on macOS (MLX uses Metal and Accelerate there)")
-    if mx.metal.is_available() or mx.cuda.is_available():
-        return Status(None, "MLX's GPU build is installed: the packed kernels are for MLX's CPU build")
-    if not BUILD_FILE.is_file():
-        return Status(None, f"not built ({BUILD_FILE.name} is missing: reinstall with `pip install -e .`)")
-    info = json.loads(BUILD_FILE.read_text(encoding="utf-8"))
-    if not info.get("built"):
-        return Status(None, f"not built at install time: {info.get('reason', 'no reason recorded')}")
-    if info.get("mlx") != mx.__version__:
-        return Status(
-            None,
-            f"built for MLX {info.get('mlx')}, but MLX {mx.__version__} is installed: reinstall with `pip install -e .`",
-        )
-    try:
-        module = importlib.import_module("kernels._packed")
-    except ImportError as e:
-        return Status(None, f"the built extension does not load: {e}")
-    isas = module.available_isas()
-    return Status(module, f"{isas[0]}, {module.threads()} threads (MLX {module.built_for_mlx()})")
-
-
-def describe() -> str:
-    """One line for ``--verbose``: which path packed layers take on this CPU."""
-    s = status()
-    if s.available:
-        return f"packed 4/8-bit kernels: {s.note}"
-    return f"packed 4/8-bit kernels off: {s.note}"
-
-
-def _module():
-    s = status()
-    if not s.available:
-        raise RuntimeError(f"the packed kernels are unavailable: {s.note}")
-    return s.module
-
-
 def packed_matmul(x, w, scales, biases, group_size: int, bits: int, isa: str | None = None) -> mx.array:
     """``x @ dequantize(w, scales, biases).T`` in float32 through the packed kernel."""
-    return _module().packed_matmul(x, w, scales, biases, group_size, bits, isa or "")
+    return extension.module().packed_matmul(x, w, scales, biases, group_size, bits, isa or "")
 
 
 def packed_dequantize(w, scales, biases, group_size: int, bits: int, isa: str | None = None) -> mx.array:
     """The float32 ``[N, K]`` weight of a packed ``[N, K * bits / 32]`` one."""
-    return _module().packed_dequantize(w, scales, biases, group_size, bits, isa or "")
+    return extension.module().packed_dequantize(w, scales, biases, group_size, bits, isa or "")
 
 
 def product(x: mx.array, w, scales, biases, group_size: int, bits: int) -> mx.array:
     """``x @ dequantize(w).T``: the packed kernel for up to ``KERNEL_ROWS`` rows, else dequantized
-    row blocks through the prefill GEMM (float32, ``kernels.prefill.on()``) or the BLAS; in ``x``'s dtype."""
+    row blocks through the prefill GEMM (float32, while the backend runs the prefill kernels) or the BLAS; in ``x``'s dtype."""
     rows = x.size // x.shape[-1] if x.shape[-1] else 0
     if rows <= KERNEL_ROWS:
         y = packed_matmul(x, w, scales, biases, group_size, bits)
         return y if y.dtype == x.dtype else y.astype(x.dtype)
-    from . import prefill  # the float32 GEMM of a prefill's projections (kernels/prefill.py)
-
     N, K = w.shape[0], x.shape[-1]
     step = max(1, DENSE_BLOCK_BYTES // (4 * K))
-    gemm = x.dtype == mx.float32 and prefill.on()
+    gemm = x.dtype == mx.float32 and backend.active().prefill
     parts = []
     for a in range(0, N, step):
         dense = packed_dequantize(w[a : a + step], scales[a : a + step], biases[a : a + step], group_size, bits)
