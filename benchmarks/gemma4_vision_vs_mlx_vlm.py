@@ -215,7 +215,7 @@ def child(which: str, path: str, text: str, photo: str, budget: int) -> None:
 
         blas = zoo_cpu.blas.describe()
     except ImportError:
-        blas = "BLAS: MLX's bundled one (zoo_blas not present)"
+        blas = "BLAS: MLX's bundled one (zoo_cpu not present)"
     import mlx.core as mx
 
     start = time.perf_counter()

@@ -18,7 +18,7 @@ process. The peers run as their users get them, each in its own worker process t
 nothing of the zoo (``benchmarks.peers``) and runs only when this process hands it a run and
 waits: ``llama.cpp`` (llama-cpp-python on the 270M's Q4_K_M GGUF, 2 threads) and ``torch``
 (transformers on the float32 270M, 2 threads), set up as in ``benchmarks.speed``. In one process
-with ours, llama.cpp decoded 2-3x slower: MKL's Intel OpenMP (loaded by ``zoo_blas``, with
+with ours, llama.cpp decoded 2-3x slower: MKL's Intel OpenMP (loaded by ``zoo_cpu.blas``, with
 ``KMP_BLOCKTIME=0``) then serves ggml's OpenMP calls too (docs/speed.md, "Measured").
 Peak memory is not reported: our stacks share the process.
 """

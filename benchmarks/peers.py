@@ -1,10 +1,10 @@
 """The peers (transformers + torch, llama.cpp) in clean worker processes, for benchmarks that run them in turn with ours.
 
-A peer loaded into our process is not what its users get: ``zoo_blas`` loads MKL with Intel's
+A peer loaded into our process is not what its users get: ``zoo_cpu.blas`` loads MKL with Intel's
 OpenMP (``KMP_BLOCKTIME=0``), which then also serves the OpenMP calls of libraries loaded after it
 (llama.cpp decoded 2-3x slower beside us; docs/speed.md, "Measured"). So ``Peer(stack, path)``
 starts ``python -m benchmarks.peers`` with the environment the benchmark was started with
-(``benchmarks.speed.PEER_ENV``: ``GEMMA_ZOO_BLAS=off``, so the import hook loads nothing either),
+(``benchmarks.speed.PEER_ENV``: ``GEMMA_ZOO_BLAS=off``),
 loads the stack there as ``benchmarks.speed.setup`` does, and computes only when handed a run:
 ``generate(prompt, gen)`` (first-token and remaining seconds, and the ids) or ``prefill(prompt)``
 (seconds). A worker that finds MLX or our BLAS in its process refuses to answer

@@ -13,7 +13,7 @@ its ``generate`` prefills (``attn_implementation="sdpa"``), with 2 threads (the 
 holds a core, and the one-thread row shows how much. Our stacks share this process
 (``kernels off`` is the float32 model with ``GEMMA_ZOO_PREFILL_KERNELS=0``, the compiled MLX
 chains and MKL's GEMM); torch runs in worker processes that import nothing of the zoo
-(``benchmarks.peers``: MKL's Intel OpenMP, which ``zoo_blas`` loads, would otherwise also serve
+(``benchmarks.peers``: MKL's Intel OpenMP, which ``zoo_cpu.blas`` loads, would otherwise also serve
 torch's OpenMP calls) and computes only when handed a run. Runs go round-robin after ``GAP``
 seconds of idle each, so a slow spell of the shared box hits every stack alike; each cell is the median [range] of ``--rounds``, the ratios are per
 round (against torch with 2 threads, and against our float32 model with the kernels off). The load

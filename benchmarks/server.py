@@ -4,8 +4,8 @@
     python -m benchmarks.server --clients 1 4 --requests 2 --gen 32
 
 Both servers run as subprocesses on the same converted folder (``models.assets.gemma3_270m``) with
-the same BLAS (the project's import hook loads it before MLX in every Python process, mlx-lm's
-included), in float32, greedy, batching up to ``--batch`` requests (``--max-batch`` /
+the same BLAS (``mlx_lm.server`` is started through ``MLX_LM_WITH_OUR_BLAS``, which imports
+``zoo_cpu`` first so that MKL is loaded under its MLX too), in float32, greedy, batching up to ``--batch`` requests (``--max-batch`` /
 ``--decode-concurrency``). Each client sends ``--requests`` streamed ``/v1/completions`` requests
 one after another, each with its own prompt (random words, ``--prompt`` tokens or so, never
 repeated, so no prompt cache helps either side) and ``max_tokens=--gen``.
@@ -50,12 +50,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# mlx-lm's command line with the zoo's BLAS loaded first (the zoo installs nothing into other programs).
+MLX_LM_WITH_OUR_BLAS = "import sys, runpy, zoo_cpu; sys.argv[0] = 'mlx_lm'; runpy.run_module('mlx_lm', run_name='__main__')"
+
+
 def start(stack: str, folder: Path, port: int, batch: int, gen: int) -> subprocess.Popen:
     if stack == "ours":
         cmd = [sys.executable, "-m", "examples.serve", "--model", str(folder), "--model-id", "m", "--port", str(port),
                "--max-batch", str(batch), "--max-queue", "256", "--max-tokens", str(gen)]  # fmt: skip
     else:
-        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(folder), "--port", str(port),
+        cmd = [sys.executable, "-c", MLX_LM_WITH_OUR_BLAS, "server", "--model", str(folder), "--port", str(port),
                "--decode-concurrency", str(batch), "--max-tokens", str(gen), "--log-level", "WARNING"]  # fmt: skip
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 

@@ -32,8 +32,7 @@ mean decode position). Stacks:
 
 The peers (torch, llama.cpp) run as their users get them: their processes import nothing of the
 zoo and get the environment this benchmark was started with (``PEER_ENV``), plus
-``GEMMA_ZOO_BLAS=off`` so the installed import hook (which runs when anything looks for ``mlx``, as
-transformers does) loads no MKL into them. MKL's Intel OpenMP, once in a process, also takes over
+``GEMMA_ZOO_BLAS=off`` so that nothing loads MKL into them even if a zoo module were imported. MKL's Intel OpenMP, once in a process, also takes over
 the OpenMP calls of libraries loaded after it (llama.cpp's ggml, torch), with our ``KMP_BLOCKTIME=0``
 (docs/speed.md, "Measured").
 """
@@ -52,7 +51,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # The peers' environment: as this process was started (before any zoo import set MKL's defaults),
-# and no BLAS preload by the import hook.
+# and no BLAS preload.
 PEER_ENV = {**os.environ, "GEMMA_ZOO_BLAS": "off"}
 PEERS = ("torch", "llama.cpp")
 STACKS = ("ours", "ours 8-bit", "ours 4-bit", "mlx-lm stock", "mlx-lm + BLAS", "torch", "llama.cpp")
@@ -187,7 +186,7 @@ def child(stack: str, folder: str, n_prompt: int, gen: int, runs: int, options: 
 def check_clean(stack: str) -> None:
     """Refuse a peer's result from a process that loaded a BLAS of ours or MLX."""
     loaded = [name for name in ("mlx.core",) if name in sys.modules]
-    blas = sys.modules.get("zoo_blas")  # the hook imports it when transformers looks for mlx
+    blas = sys.modules.get("zoo_cpu.blas")
     if blas is not None and blas.info()["loaded"]:
         loaded.append(blas.info()["name"])
     if loaded:
@@ -232,7 +231,7 @@ def setup(stack: str, folder: Path, options: dict) -> dict:
         model.set_dtype(dtype)
         mx.eval(model.parameters())
         nbytes = sum(a.nbytes for k, a in tree_flatten(model.parameters()) if "embed_tokens_per_layer" not in k)
-        blas = __import__("zoo_blas").info() if stack == "mlx-lm + BLAS" else {}
+        blas = __import__("zoo_cpu").blas.info() if stack == "mlx-lm + BLAS" else {}
         notes = "bf16, bundled reference BLAS" if stack == "mlx-lm stock" else f"fp32, {blas['name']} {blas['version'] or ''}"
 
         return {"model": model, "weight_bytes": nbytes, "item_bytes": dtype.size, "notes": notes}
@@ -363,7 +362,7 @@ def bandwidth_gbs(threads: int = 2, gib: float = 1.0, repeats: int = 7) -> float
 
 def spawn(stack: str, folder: Path, args, env: dict | None = None, options: dict | None = None) -> dict:
     options = options or {}
-    if stack == "mlx-lm stock":  # as a user gets it: the installed import hook must not load the fast BLAS
+    if stack == "mlx-lm stock":  # as a user gets it: MLX's bundled BLAS
         env = {"GEMMA_ZOO_BLAS": "off", **(env or {})}
     gen, runs = (min(args.gen, 32), 1) if options.get("short") else (args.gen, args.runs)
     cmd = [sys.executable, "-m", "benchmarks.speed", "--child", stack, "--path", str(folder), "--prompt",

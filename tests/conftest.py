@@ -3,7 +3,7 @@
 - The reference is plain PyTorch: transformers 5.25 turns Hugging Face's Hub kernels on in
   ``from_pretrained`` by default (``use_kernels`` unless ``USE_HUB_KERNELS`` says otherwise), which
   would swap the reference's layers for downloaded ones; ``USE_HUB_KERNELS=0`` keeps them off for
-  the whole session (``docs/benchmarks.md``, "The reference").
+  the whole session (README, "The two commands").
 - The fast CPU BLAS goes in before a test imports MLX: test modules import ``mlx.core`` before the
   zoo's packages, which would be too late for ``zoo_cpu.blas``; importing ``zoo_cpu`` here makes the
   suite run what users run. ``GEMMA_ZOO_BLAS=off python -m pytest`` runs the same suite on MLX's
