@@ -89,8 +89,12 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
                    help="soft tokens per image (more = finer detail, longer prompt); default: the checkpoint's "
                         f"preprocessor setting, else {DEFAULT_MAX_SOFT_TOKENS}")  # fmt: skip
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                   help="weights' dtype: auto (default) picks per device: float32 on a CPU with a fast BLAS, "
-                        "the checkpoint's dtype on a GPU; --verbose says which")  # fmt: skip
+                   help="weights' dtype: auto (default) picks per plan: float32 under the cpu plan with a fast BLAS, "
+                        "the checkpoint's dtype under the accelerator plan; --verbose says which")  # fmt: skip
+    p.add_argument("--plan", choices=["auto", "cpu", "accelerator"], default=None,
+                   help="device plan: cpu (the zoo's CPU kernels, float32) or accelerator (MLX's fused ops, the "
+                        "checkpoint's dtype: what Metal and CUDA run); default: GEMMA_ZOO_PLAN, else auto (by "
+                        "device); --verbose names it")  # fmt: skip
     p.add_argument("--q-bits", type=int, choices=[4, 8], default=None,
                    help="quantize the weights on load to this many bits (docs/quantization.md has the policy)")  # fmt: skip
     p.add_argument("--q-group-size", type=int, choices=[32, 64, 128], default=None)
@@ -212,7 +216,7 @@ def load_drafter(model, args: argparse.Namespace):
     from models.generation.speculative import make_drafter
 
     try:
-        draft = models.load(args.draft_model, dtype=args.dtype)
+        draft = models.load(args.draft_model, dtype=args.dtype, plan=args.plan)
         drafter = make_drafter(draft, model)
     except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as err:
         print(f"error: --draft-model {args.draft_model}: {err}", file=sys.stderr)
@@ -253,7 +257,8 @@ def load_model(args: argparse.Namespace):
     """The model, or None after printing why it cannot be loaded (not available, not a checkpoint, damaged)."""
     sharding = getattr(args, "sharding", None)
     try:
-        model = models.load(args.model, dtype=args.dtype, q_bits=args.q_bits, q_group_size=args.q_group_size, sharding=sharding)
+        model = models.load(args.model, dtype=args.dtype, q_bits=args.q_bits, q_group_size=args.q_group_size, sharding=sharding,
+                            plan=args.plan)  # fmt: skip
     except (models.ModelNotAvailableError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
@@ -419,7 +424,7 @@ class Ranks:
             )
         self.rank, self.lead = self.group.rank(), None
         self.watchdog = parallel.Watchdog(self.group, args.rank_timeout)
-        options = {name: getattr(args, name, None) for name in ("dtype", "q_bits", "q_group_size")}
+        options = {name: getattr(args, name, None) for name in ("dtype", "q_bits", "q_group_size", "plan")}
         args.sharding = parallel.sharding_for(args.parallel, self.group, options)
         args.seed = shared_seed(self.group, args.seed)  # every rank samples the same tokens
 

@@ -50,7 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--html", metavar="FILE", help="save the denoising as a self-contained HTML page")
     p.add_argument("--no-live", action="store_true", help="no in-place canvas, only the committed text")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights on load (default: per device, as models.load chooses)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights on load (default: per plan, as models.load chooses)")
+    p.add_argument("--plan", choices=["auto", "cpu", "accelerator"], default=None,
+                   help="device plan (default: GEMMA_ZOO_PLAN, else auto: by device); --verbose names it")
     p.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 5, 6, 8], help="store the KV cache quantized")
     p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
     p.add_argument("--quantized-kv-start", type=int, default=5000,
@@ -214,7 +216,7 @@ def canvas(args: argparse.Namespace, kv: KVQuantization, ranks=None) -> int:
     try:
         for path in args.image if lead else ():  # a bad image is reported before the (long) model load
             Gemma4ImageProcessor().load_rgb(path)
-        model = models.load(args.model, dtype=args.dtype or "auto", sharding=getattr(args, "sharding", None))
+        model = models.load(args.model, dtype=args.dtype or "auto", sharding=getattr(args, "sharding", None), plan=args.plan)
         if not isinstance(model, DiffusionModel):
             raise ValueError(f"{args.model} is a {model.model_type} checkpoint, not DiffusionGemma; use python -m examples.chat")
         try:

@@ -23,7 +23,7 @@ from weights.resolve import folder_file
 from weights.quantize import QuantizationPolicy, QuantizationReport, plan_load, quantize_model
 
 from models.checks import TOKENIZER_FILES, TokenizerLoadError, VocabularyMismatchError, tokenizer_vocabulary_size
-from models.precision import AUTO, Precision, cast_weights, choose, prepare
+from models.precision import AUTO, DevicePlan, Precision, cast_weights, choose, choose_plan, prepare
 from models.registry import Architecture, architecture_for
 from models.zoo import zoo_folder
 
@@ -114,13 +114,14 @@ def load_graph(
     q_group_size: int | None = None,
     q_policy: QuantizationPolicy | None = None,
     sharding=None,
+    plan: DevicePlan | None = None,
 ) -> LoadedGraph:
-    """Build the graph for ``folder`` and load its checkpoint (cast per ``models.precision.choose``);
-    with ``sharding`` (``models.parallel``), only this rank's part of it."""
+    """Build the graph for ``folder`` and load its checkpoint (cast per ``models.precision.choose``
+    under ``plan``); with ``sharding`` (``models.parallel``), only this rank's part of it."""
     raw = read_config(folder)
     source = str(folder / "config.json")
     weights, _ = load_safetensors(folder) if sharding is None else sharding.read(folder, raw)
-    precision = choose(dtype, weights)
+    precision = choose(dtype, weights, plan)
     weights = cast_weights(weights, precision)
     quantization = plan_load(raw, weights, source, q_bits, q_group_size, q_policy)
     architecture = architecture_for(raw, source, weights.keys())
@@ -144,24 +145,27 @@ def load(
     q_group_size: int | None = None,
     q_policy: QuantizationPolicy | None = None,
     sharding=None,
+    plan: str | None = None,
 ):
     """Load a model by zoo name (``models.zoo.ZOO``), local folder or Hub repo id: a ``Model``, or a
     ``DiffusionModel`` for DiffusionGemma checkpoints.
 
     ``dtype`` casts floating weights (the scales of a quantized checkpoint are floating too);
-    ``"auto"`` (default) lets ``models.precision`` choose for the device (float32 on a CPU with a
-    fast BLAS, the checkpoint's dtype elsewhere) and ``None`` keeps the checkpoint's dtypes. The
+    ``"auto"`` (default) lets ``models.precision`` choose for the plan (float32 under the CPU plan
+    with a fast BLAS, the checkpoint's dtype elsewhere) and ``None`` keeps the checkpoint's dtypes.
+    ``plan`` (``"cpu"``, ``"accelerator"``, ``"auto"``; None: ``GEMMA_ZOO_PLAN``, by default
+    ``auto``, which picks by MLX's default device) is the device plan (``models.precision.DevicePlan``). The
     tokenizer, with mlx-lm's streaming detokenizer, is attached unless ``tokenizer=False`` or the
     folder has none (``load_tokenizer``); without one, ids still go in and come out.
     Pre-quantized MLX checkpoints load as stored; ``q_bits`` (4 or 8) and ``q_group_size`` (32, 64
     or 128; default 64), or a whole ``q_policy``, quantize a full-precision checkpoint on load
-    (``docs/quantization.md``). ``models.precision.prepare`` then makes the graph fast on the
-    device it runs on. ``sharding`` (``models.parallel.sharding_for``) loads this rank's part of a
+    (``docs/quantization.md``). ``models.precision.prepare`` then applies the plan. ``sharding`` (``models.parallel.sharding_for``) loads this rank's part of a
     model split over MLX's distributed group (``docs/distributed.md``).
     """
     folder = model_folder(name_or_path)
-    loaded = load_graph(folder, dtype, q_bits, q_group_size, q_policy, sharding)
-    device_notes = prepare(loaded.graph, loaded.precision)
+    device_plan = choose_plan(plan)
+    loaded = load_graph(folder, dtype, q_bits, q_group_size, q_policy, sharding, device_plan)
+    device_notes = prepare(loaded.graph, loaded.precision, device_plan)
     if sharding is not None:
         loaded.graph = sharding.connect(loaded.graph)
     generation_config = read_generation_config(folder)
@@ -180,5 +184,5 @@ def load(
         from models.model import Model
 
         model = Model(loaded.graph, loaded.config, wrapper, generation_config, folder, loaded.raw_config["model_type"])
-    model.precision, model.device_notes = loaded.precision, device_notes  # stated by --verbose
+    model.plan, model.precision, model.device_notes = device_plan, loaded.precision, device_notes  # stated by --verbose
     return model

@@ -58,6 +58,8 @@ class Model(MediaMixin):
         # One position through the whole graph compiled once (the step returns None where it does not
         # apply: graphs.decode_step); GEMMA_ZOO_COMPILE_STEP=0 keeps the plain step.
         self.decode_step = CompiledDecode(graph)
+        # Set by models.load: the device plan (models.precision.DevicePlan) and what it did.
+        self.plan = None
 
     # ------------------------------------------------------------------------------ forward
     def make_cache(self) -> list:
@@ -251,7 +253,8 @@ class Model(MediaMixin):
             drafter = make_drafter(draft, self)
             tokens = speculative_tokens(self, drafter, prompt.ids, cache, num_draft_tokens=num_draft_tokens, **loop)
         else:
-            tokens = generate_tokens(self._forward, prompt.ids, cache, **loop)
+            overlap = self.plan is not None and self.plan.overlap  # the next step queued before a token is read
+            tokens = generate_tokens(self._forward, prompt.ids, cache, overlap=overlap, **loop)
         for token in tokens:
             detokenizer.add_token(token)
             yield Chunk(detokenizer.last_segment, token, stats)

@@ -1,8 +1,16 @@
-"""The compute-precision policy: which float dtype a loaded model's weights are held and computed in.
+"""The device plan a model is loaded under, and the compute-precision policy within it.
+
+``DevicePlan`` (``choose_plan``) is the one place that asks which device MLX computes on: ``"cpu"``
+on MLX's CPU device, ``"accelerator"`` elsewhere (Metal, CUDA), unless ``models.load(plan=...)``,
+``--plan`` or ``GEMMA_ZOO_PLAN`` says otherwise. Everything that differs between the two follows
+from that value: the weights' dtype (``choose``), which CPU math and kernels run
+(``zoo_cpu.backend``), the layouts ``prepare`` applies, and whether generation queues the next step
+before reading a token. The accelerator plan runs on MLX's CPU device too (MLX's fused ops have CPU
+implementations), which is how the tests prove the path Metal and CUDA take without one.
 
 ``models.load(..., dtype="auto")`` (the default) asks ``choose()``:
 
-- **GPU** (Metal, CUDA): the checkpoint's dtype, as before (bf16 stays bf16).
+- **the accelerator plan** (Metal, CUDA): the checkpoint's dtype (bf16 stays bf16).
 - **CPU with a fast BLAS** (``zoo_cpu.blas``: MKL or OpenBLAS on Linux, Accelerate on macOS): float32.
   MLX's CPU matmuls reach the BLAS only in float32 (one ``cblas_sgemm`` per product); bf16 and
   fp16 products run MLX's own loops, several times slower, so a bf16 checkpoint is upcast on load
@@ -37,6 +45,7 @@ from graphs.layers import FusedProducts, GeGLUMLP, SelfAttention
 from graphs.speedups import VocabularyHead
 from models import cpu_kernels
 from zoo_cpu import backend, extension, packed, switches
+from zoo_cpu.backend import Backend
 
 AUTO = "auto"
 # Parameters only ever gathered from (never a matmul operand): kept in the checkpoint's dtype.
@@ -67,20 +76,69 @@ def fast_cpu_blas() -> bool:
     return bool(zoo_cpu.blas.info()["loaded"])
 
 
-def on_cpu() -> bool:
-    return mx.default_device().type == mx.cpu
+PLAN_SWITCH = "GEMMA_ZOO_PLAN"
+PLANS = ("cpu", "accelerator")
 
 
-def choose(dtype=AUTO, weights: Mapping[str, mx.array] | None = None) -> Precision:
-    """The precision for a model whose checkpoint tensors are ``weights`` (only sizes and dtypes are read)."""
+@dataclass(frozen=True)
+class DevicePlan:
+    """How a loaded model computes, chosen once at load.
+
+    ``"cpu"``: float weights in float32 where a fast BLAS runs them (``choose``); the zoo's CPU
+    backend (vectorised math, the C++ kernels where built: ``zoo_cpu.backend.for_cpu``); CPU
+    layouts applied at load (packed quantized layers, the output head and MLPs over CPU streams,
+    the prefill GEMM's layers); each generated token read before the next step is built.
+    ``"accelerator"``: what Metal and CUDA run: the checkpoint's dtype, MLX's fused attention,
+    norms and RoPE (``zoo_cpu.backend.MLX``), the graph as built, the next step queued before the
+    token is read (mlx-lm's overlap).
+    """
+
+    name: str
+    reason: str
+    backend: Backend
+
+    @property
+    def cpu(self) -> bool:
+        return self.name == "cpu"
+
+    @property
+    def overlap(self) -> bool:
+        """Whether generation queues the next step before reading the token (on 2 CPU cores the
+        host's graph building competes with the compute, so the CPU plan reads first)."""
+        return not self.cpu
+
+    def describe(self) -> str:
+        """One line for ``--verbose``."""
+        return f"plan: {self.name} ({self.reason})"
+
+
+def choose_plan(plan: str | None = None) -> DevicePlan:
+    """The plan ``plan`` names (``"cpu"``, ``"accelerator"``, ``"auto"``), or ``GEMMA_ZOO_PLAN``'s
+    when None; ``"auto"`` picks by MLX's default device. ``ValueError`` for any other name."""
+    if plan is None:
+        name, reason = switches.value(PLAN_SWITCH), f"{PLAN_SWITCH}, {switches.source(PLAN_SWITCH)}"
+    else:
+        name, reason = plan, "asked for"
+    if name == "auto":
+        device = mx.default_device()
+        name, reason = ("cpu" if device.type == mx.cpu else "accelerator"), f"the default device is {device}"
+    if name not in PLANS:
+        raise ValueError(f"plan={plan!r} is not a device plan; use one of {', '.join(PLANS)} or auto")
+    return DevicePlan(name, reason, backend.for_cpu() if name == "cpu" else backend.MLX)
+
+
+def choose(dtype=AUTO, weights: Mapping[str, mx.array] | None = None, plan: DevicePlan | None = None) -> Precision:
+    """The precision for a model whose checkpoint tensors are ``weights`` (only sizes and dtypes
+    are read), under ``plan`` (``choose_plan()`` when None)."""
     if dtype is None:
         return Precision(None, "dtype=None: the checkpoint's dtypes")
     if dtype != AUTO:
         from weights import parse_dtype
 
         return Precision(parse_dtype(dtype), "--dtype")
-    if not on_cpu():
-        return Precision(None, f"{mx.default_device()}: the checkpoint's dtype", auto=True)
+    plan = plan or choose_plan()
+    if not plan.cpu:
+        return Precision(None, f"{plan.name} plan: the checkpoint's dtype", auto=True)
     if not fast_cpu_blas():
         return Precision(None, "CPU without a fast BLAS: MLX's bf16 loops beat the reference sgemm", auto=True)
     if any(a.dtype == mx.uint32 for a in (weights or {}).values()):
@@ -140,31 +198,30 @@ STREAMS_SWITCH = "GEMMA_ZOO_STREAMS"
 CPU_STREAMS = 2  # decode's few-row products split over this many CPU streams
 
 
-def prepare(graph: nn.Module, precision: Precision) -> list[str]:
-    """The plan for the device the graph will run on, applied; returns what is in effect, one line each.
+def prepare(graph: nn.Module, precision: Precision, plan: DevicePlan | None = None) -> list[str]:
+    """``plan`` (``choose_plan()`` when None) applied to a loaded graph; returns what is in effect, one line each.
 
-    On the CPU with a fast BLAS: quantized layers follow ``quantized_policy`` (the packed kernels
+    Under the CPU plan with a fast BLAS: quantized layers follow ``quantized_policy`` (the packed kernels
     where they were built, else dequantized to float32), the output head is stored transposed
     (``VocabularyHead.split_head``) and, unless ``GEMMA_ZOO_STREAMS=0``, split over CPU streams with
     every GeGLU MLP whose products are not packed (``GeGLUMLP.use_streams``; the kernels split their
-    rows over the cores themselves). On a GPU, or without a fast BLAS, the graph is left as built.
-    The CPU backend (``zoo_cpu.backend``: fast math, prefill and decode kernels) is chosen here,
-    once, for the device and the switches as they are now.
+    rows over the cores themselves). Under the accelerator plan, or without a fast BLAS, the graph
+    is left as built. The plan's backend (``zoo_cpu.backend``) is selected for the process here.
     """
-    chosen = backend.for_device()
-    backend.select(chosen)
-    notes = chosen.describe() if on_cpu() else []
+    plan = plan or choose_plan()
+    backend.select(plan.backend)
+    notes = [plan.describe(), *(plan.backend.describe() if plan.cpu else [])]
     if switches.enabled("GEMMA_ZOO_COMPILE"):
         notes.append("decode q/k norm + RoPE compiled (GEMMA_ZOO_COMPILE=0: as plain ops)")
     if switches.enabled("GEMMA_ZOO_COMPILE_STEP"):
         notes.append("decode steps compiled whole (GEMMA_ZOO_COMPILE_STEP=0: the graph's ops built every step)")
-    if not on_cpu() or not fast_cpu_blas():
+    if not plan.cpu or not fast_cpu_blas():
         return notes
     if precision.auto:  # an explicit dtype is the user's choice for the scales too
         note = apply_quantized_policy(graph)
         if note:
             notes.append(note)
-    notes += cpu_kernels.apply(graph, chosen)  # float32 projections of a prefill on the extension's GEMM
+    notes += cpu_kernels.apply(graph, plan.backend)  # float32 projections of a prefill on the extension's GEMM
     streams = CPU_STREAMS if switches.enabled(STREAMS_SWITCH) else 1
     heads = [m for _, m in graph.named_modules() if isinstance(m, VocabularyHead)]
     notes += [note for note in (head.split_head(streams) for head in heads) if note]

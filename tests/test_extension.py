@@ -34,7 +34,7 @@ def test_another_mlx_means_not_loaded_with_the_reason_and_the_fix(built_for_anot
     assert "pip install --no-build-isolation --no-deps --force-reinstall -e ." in status.note
     with pytest.raises(RuntimeError, match="built for MLX 0.0.1"):
         extension.module()
-    chosen = backend.for_device()
+    chosen = backend.for_cpu()
     assert not chosen.prefill and not chosen.decode
     with pytest.raises(ValueError, match="built for MLX 0.0.1"):
         backend.Backend(True, True, False)  # no backend can name kernels that do not run
@@ -46,7 +46,7 @@ def test_a_model_still_loads_says_why_and_matches_the_reference(built_for_anothe
 
     hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS["T1"], tmp_path / "t1")
     model = models.load(str(tmp_path / "t1"), tokenizer=False)
-    assert backend.active() == backend.for_device() and not backend.active().kernels
+    assert backend.active() == backend.for_cpu() and not backend.active().kernels
     assert any("built for MLX 0.0.1" in n and "--no-build-isolation" in n for n in model.device_notes), model.device_notes
     ids = np.random.default_rng(0).integers(0, 200, (1, 24))
     want = hf_tiny.float64_logits(transformers.Gemma4ForCausalLM.from_pretrained(tmp_path / "t1").eval(), ids)

@@ -30,7 +30,7 @@ from tests.test_convert import _gemma3  # noqa: E402
 from weights.quantize import QuantizationPolicy  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
-    not (extension.status().available and precision.on_cpu() and precision.fast_cpu_blas()),
+    not (extension.status().available and precision.choose_plan().cpu and precision.fast_cpu_blas()),
     reason=f"the packed CPU path is not in use here ({extension.describe()})",
 )
 

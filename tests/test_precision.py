@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 import models  # noqa: E402
 from graphs.gemma3_text import GemmaRMSNorm  # noqa: E402
 from graphs.layers import RMSNorm, RoPE  # noqa: E402
-from zoo_cpu import switches  # noqa: E402
+from zoo_cpu import backend, switches  # noqa: E402
 from graphs import speedups  # noqa: E402
 from models import precision  # noqa: E402
 from models.generation.generate import generate_tokens  # noqa: E402
@@ -21,7 +21,7 @@ from tests import hf_tiny  # noqa: E402
 from tests import quant_tiny as qt  # noqa: E402
 
 cpu_with_blas = pytest.mark.skipif(
-    not (precision.on_cpu() and precision.fast_cpu_blas()), reason="the policy under test is the CPU + fast BLAS one"
+    not (precision.choose_plan().cpu and precision.fast_cpu_blas()), reason="the policy under test is the CPU + fast BLAS one"
 )
 
 
@@ -67,8 +67,22 @@ def test_auto_keeps_bf16_when_float32_would_not_fit(monkeypatch):
 
 def test_auto_without_a_fast_blas_keeps_the_checkpoint_dtype(monkeypatch):
     monkeypatch.setattr(precision, "fast_cpu_blas", lambda: False)
-    monkeypatch.setattr(precision, "on_cpu", lambda: True)
-    assert precision.choose("auto", {"w": mx.zeros((8, 4), mx.bfloat16)}).dtype is None
+    assert precision.choose("auto", {"w": mx.zeros((8, 4), mx.bfloat16)}, precision.choose_plan("cpu")).dtype is None
+
+
+def test_the_plan_is_one_value_chosen_by_name_switch_or_device():
+    cpu, accelerator = precision.choose_plan("cpu"), precision.choose_plan("accelerator")
+    assert cpu.cpu and not cpu.overlap and cpu.backend == backend.for_cpu()
+    assert not accelerator.cpu and accelerator.overlap and accelerator.backend == backend.MLX
+    assert precision.choose("auto", {"w": mx.zeros((8, 4), mx.bfloat16)}, accelerator).dtype is None
+    with switches.override(GEMMA_ZOO_PLAN="accelerator"):
+        assert precision.choose_plan().name == "accelerator" and "GEMMA_ZOO_PLAN" in precision.choose_plan().reason
+    with switches.override(GEMMA_ZOO_PLAN="auto"):
+        auto = precision.choose_plan()
+        assert auto.name == ("cpu" if mx.default_device() == mx.cpu else "accelerator")
+        assert "default device" in auto.reason
+    with pytest.raises(ValueError, match="plan='gpu' is not a device plan"):
+        precision.choose_plan("gpu")
 
 
 # ---------------------------------------------------------------------------------------- load

@@ -25,7 +25,7 @@ ISAS = extension.status().module.available_isas() if extension.available() else 
 @pytest.fixture(autouse=True)
 def kernels_on():
     """The kernels switched on whatever the environment says (tests switch them off themselves)."""
-    with backend.using(backend.Backend(True, True, backend.for_device().decode)):
+    with backend.using(backend.Backend(True, True, backend.for_cpu().decode)):
         yield
 
 

@@ -9,11 +9,13 @@
 - ``decode``: the extension's decode-step kernels (norms, attention heads, single-query attention,
   GELU gate as one graph node each).
 
-``for_device()`` is the choice for the default device (all off on a GPU; on the CPU each on unless
-its ``GEMMA_ZOO_*`` switch says off, the extension ones only where it runs). ``models.load`` makes
-that choice once and ``select``s it; the graphs and caches read ``active()``, one attribute of one
-value, instead of asking the device and the switches again. The selection is per process: the
-model loaded last decides. Until a model is loaded, ``active()`` is ``for_device()`` as of its first call.
+``for_cpu()`` is the CPU plan's choice (each on unless its ``GEMMA_ZOO_*`` switch says off, the
+extension's only where it runs); ``MLX`` (all off) is the accelerator plan's. ``models.load``'s
+device plan makes that choice once and ``select``s it; the graphs and caches read ``active()``, one
+attribute of one value, instead of asking the device and the switches again. The selection is per
+process: the model loaded last decides (either backend computes the same values; only the speed
+differs). Until a model is loaded (graphs and caches used directly), ``active()`` is ``for_cpu()``
+as of its first call.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-
-import mlx.core as mx
 
 from . import extension, switches
 
@@ -71,9 +71,9 @@ class Backend:
 MLX = Backend()  # MLX's own ops throughout: what an accelerator runs
 
 
-def for_device() -> Backend:
-    """The backend for the default device under the current switches."""
-    if mx.default_device() != mx.cpu or not switches.enabled(FAST_MATH):
+def for_cpu() -> Backend:
+    """The CPU plan's backend under the current switches."""
+    if not switches.enabled(FAST_MATH):
         return MLX
     built = extension.available()
     return Backend(True, built and switches.enabled(PREFILL), built and switches.enabled(DECODE))
@@ -83,15 +83,15 @@ _selected: Backend | None = None
 
 
 def active() -> Backend:
-    """The selected backend (``for_device()`` at the first call when none was selected)."""
+    """The selected backend (``for_cpu()`` at the first call when none was selected)."""
     global _selected
     if _selected is None:
-        _selected = for_device()
+        _selected = for_cpu()
     return _selected
 
 
 def select(backend: Backend | None) -> None:
-    """Make ``backend`` the one the graphs run on (None: choose again from the device at the next ``active()``)."""
+    """Make ``backend`` the one the graphs run on (None: ``for_cpu()`` again at the next ``active()``)."""
     global _selected
     _selected = backend
 

@@ -105,6 +105,11 @@ SWITCHES: dict[str, Switch] = {
             paths=True,
         ),
         Switch(
+            "GEMMA_ZOO_PLAN", "choice", "auto",
+            "the device plan models.load uses when none is passed (auto: cpu on MLX's CPU device, else accelerator; accelerator: the checkpoint's dtype and MLX's fused ops, as on Metal and CUDA)",
+            choices=("auto", "cpu", "accelerator"),
+        ),
+        Switch(
             "GEMMA_ZOO_FAST_MATH", "bool", True,
             "on the CPU, exp (softmax), tanh (GELU, softcap) and RoPE as vectorised compiled kernels; off: MLX's own ops",
         ),

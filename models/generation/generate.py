@@ -250,15 +250,16 @@ def generate_tokens(
     stats: GenerationStats | None = None,
     images: Sequence[ImageSpan] = (),
     kv_quantization: KVQuantization | None = None,
-    overlap: bool | None = None,
+    overlap: bool = False,
     max_context: int | None = None,
 ) -> Iterator[int]:
     """Yield generated token ids; each yielded id has already been fed to ``cache``.
 
-    ``forward(ids [1, L], cache, last_only)`` returns logits. With ``overlap`` (the default off
-    the CPU) the step feeding a token is queued (``mx.async_eval``) before the token is read, as
-    mlx-lm does, so the host builds graphs while the device computes; on the CPU host and compute
-    share the cores and reading first is faster (docs/speed.md). A stop id ends the stream
+    ``forward(ids [1, L], cache, last_only)`` returns logits. With ``overlap`` (the accelerator
+    plan's: ``Model.stream`` passes ``DevicePlan.overlap``) the step feeding a token is queued
+    (``mx.async_eval``) before the token is read, as mlx-lm does, so the host builds graphs while
+    the device computes; on the CPU host and compute share the cores and reading first is faster
+    (docs/speed.md). A stop id ends the stream
     unyielded and unfed (a queued step is trimmed off), so a chat's cache holds exactly the prompt
     and the answer.
 
@@ -278,9 +279,6 @@ def generate_tokens(
 
     def step(y: mx.array) -> mx.array:
         return sample(forward(y.reshape(1, 1), cache, last_only=True)[:, -1])
-
-    if overlap is None:
-        overlap = mx.default_device() != mx.cpu
 
     start = time.perf_counter()
     logits = prefill(forward, prompt_ids, cache, prefill_step_size, images, kv_quantization, should_stop)
