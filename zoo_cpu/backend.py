@@ -14,8 +14,8 @@ extension's only where it runs); ``MLX`` (all off) is the accelerator plan's. ``
 device plan makes that choice once and ``select``s it; the graphs and caches read ``active()``, one
 attribute of one value, instead of asking the device and the switches again. The selection is per
 process: the model loaded last decides (either backend computes the same values; only the speed
-differs). Until a model is loaded (graphs and caches used directly), ``active()`` is ``for_cpu()``
-as of its first call.
+differs). Until a model is loaded (graphs and caches used directly), ``active()`` is the backend
+of the plan ``GEMMA_ZOO_PLAN`` names (``MLX`` for ``accelerator``, else ``for_cpu()``) as of its first call.
 """
 
 from __future__ import annotations
@@ -83,15 +83,15 @@ _selected: Backend | None = None
 
 
 def active() -> Backend:
-    """The selected backend (``for_cpu()`` at the first call when none was selected)."""
+    """The selected backend (at the first call when none was selected: ``GEMMA_ZOO_PLAN``'s, see above)."""
     global _selected
     if _selected is None:
-        _selected = for_cpu()
+        _selected = MLX if switches.value("GEMMA_ZOO_PLAN") == "accelerator" else for_cpu()
     return _selected
 
 
 def select(backend: Backend | None) -> None:
-    """Make ``backend`` the one the graphs run on (None: ``for_cpu()`` again at the next ``active()``)."""
+    """Make ``backend`` the one the graphs run on (None: the default again at the next ``active()``)."""
     global _selected
     _selected = backend
 
