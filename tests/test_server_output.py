@@ -4,6 +4,7 @@ boundaries, Gemma 4 channels and tool calls on the real tokenizer's ids, and err
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,16 @@ def test_request_faults_are_located(model, body, where):
     assert caught.value.status == 400
     if where is not None:
         assert caught.value.param == where and where in caught.value.message
+
+
+def test_stop_strings_match_in_linear_time():
+    """A long stop string that the text keeps almost matching: the work grows with the text, not
+    with the text times the square of the stop (issue 27: a 1 MB stop string held the event loop 27 s)."""
+    stop = StopStrings(["a" * 1999 + "b", "zz"])
+    start = time.perf_counter()
+    out = "".join(stop.feed("aaaaa") for _ in range(400))
+    assert time.perf_counter() - start < 1.0
+    assert out == "a" * 1  # all but the 1999 characters that could still start the first stop
+    assert stop.feed("b") == "" and stop.stopped
+    other = StopStrings(["abcd", "bc"])
+    assert other.feed("abcd") == "a" and other.stopped  # "bc" is completed first
