@@ -78,6 +78,7 @@ def test_images_by_data_url_and_allowed_path_equal_generate(model, photo, tmp_pa
                               (str(photo.parent / "missing.png"), "no such file"),
                               ("data:image/png;base64," + base64.b64encode(b"GIF89a-not-really").decode(), "not a readable image"),
                               ("data:image/png;base64,@@@", "does not decode"),
+                              ("http://example.com/a.png", "network URLs are not allowed"),
                               ("ftp://host/a.png", "unsupported URL scheme")):  # fmt: skip
             with pytest.raises(openai.BadRequestError, match=words) as caught:
                 ask(source)

@@ -95,7 +95,12 @@ def test_stop_strings_apply_to_content_not_reasoning(tokenizer):
      "messages[0].content[0].image_url.url"),
     (ChatRequest, {"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
     (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, None),
-    (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, None),
+    (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": "x" * 1001}, "stop"),
+    (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "m3u8"}}]}]},
+     "messages[0].content[0].input_audio.format"),
+    (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "a/b"}}]}]},
+     "messages[0].content[0].input_audio.format"),
     (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
     (CompletionRequest, {"model": "m", "prompt": [1, True]}, "prompt[1]"),
     (CompletionRequest, {"model": "m", "prompt": "x", "max_tokens": 5.0}, "max_tokens"),
@@ -103,7 +108,7 @@ def test_stop_strings_apply_to_content_not_reasoning(tokenizer):
 def test_request_faults_are_located(model, body, where):
     with pytest.raises(APIError) as caught:
         parse(model, body)
-    assert caught.value.status == 400
+    assert caught.value.status == 400 and len(caught.value.message) < 400  # a long value is not echoed whole
     if where is not None:
         assert caught.value.param == where and where in caught.value.message
 
