@@ -159,7 +159,7 @@ def _decode(source, name: str, demuxer: str | None, max_seconds: float | None) -
     except AudioTooLongError:
         raise
     except Exception as first:  # libsndfile raises LibsndfileError / RuntimeError / TypeError by format
-        sndfile_error = f"soundfile: {first}"
+        sndfile_error = f"soundfile: {first}".replace(repr(source), name)  # a file object reads as its address
     if not isinstance(source, str):
         source.seek(0)
     try:
