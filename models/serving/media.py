@@ -11,7 +11,7 @@ bytes that are not an image are a 400 naming the part (``messages[i].content[j]`
 Nothing is decoded while a request's media are read: an image's size comes from its header and is
 held to Pillow's decompression-bomb limit (``PIL.Image.MAX_IMAGE_PIXELS``, as for image files), and
 the request's parts are held to ``MediaPolicy``'s count and byte budget (encoded bytes, plus each
-image's decoded pixels at the 4 bytes Pillow stores a pixel in). The server decodes only then.
+image's decoded pixels at the 4 bytes Pillow stores an RGB pixel in). The server decodes only then.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import base64
 import binascii
 import io
 import urllib.parse
-import warnings
 import urllib.request
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -145,7 +145,7 @@ class EncodedImage:
 
     @property
     def decoded_bytes(self) -> int:
-        return self.width * self.height * 4  # Pillow stores a pixel of any 8-bit mode in 4 bytes
+        return self.width * self.height * 4  # the RGB image the processor converts it to: Pillow stores 4 bytes a pixel
 
 
 @dataclass
