@@ -65,7 +65,7 @@ def test_the_image_budget_defaults_to_the_checkpoints_setting():
 
 @pytest.mark.parametrize("library, call", [
     ("soundfile", lambda tmp: __import__("models.processing.audio", fromlist=["x"])._decode_file(str(tmp))),
-    ("av", lambda tmp: __import__("models.processing.video", fromlist=["x"])._decode_sampled(str(tmp), 4, None)),
+    ("av", lambda tmp: __import__("models.processing.video", fromlist=["x"])._decode_sampled(str(tmp), 4, None, lambda frame: frame)),
 ])  # fmt: skip
 def test_a_missing_media_library_says_how_to_install_it(monkeypatch, tmp_path, library, call):
     """Audio and video decoding need the ``media`` extra; without it the error says so by name."""

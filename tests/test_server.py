@@ -216,12 +216,16 @@ def raw(client, path: str, body: bytes | dict) -> tuple[int, dict]:
     ({"model": "other", "messages": USER}, 404, ["'other'"]),
     ({"model": "tiny", "messages": USER, "max_tokens": 600}, 400, ["max_tokens", "context of 512"]),
     ({"model": "tiny", "messages": [{"role": "user", "content": "word " * 600}]}, 400, ["messages", "context is 512"]),
+    # A text model refuses media parts by kind before reading them (their sources are checked in test_server_media).
     ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]},
-     400, ["messages[0].content[0]", "not a readable image"]),
-    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}]},
-     400, ["local files are not allowed"]),
-    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]},
-     400, ["network URLs are not allowed"]),
+     400, ["no vision tower"]),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "aGVsbG8=", "format": "wav"}}]}]},
+     400, ["no audio tower"]),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "/etc/passwd"}}]}]},
+     400, ["no vision tower"]),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "aGVsbG8=", "format": "m3u8"}}]}]},
+     400, ["messages[0].content[0].input_audio.format", "'wav'"]),
+    ({"model": "tiny", "messages": USER, "stop": "x" * 1_000_000}, 400, ["stop", "at most 1000 characters"]),
     ({"model": "tiny", "prompt": [1, 999999]}, 400, ["prompt", "999999"]),
     ({"model": "tiny", "messages": USER, "canvas_events": True, "stream": True}, 400, ["canvas_events"]),
 ])  # fmt: skip
@@ -378,3 +382,51 @@ def test_bad_flags_are_refused_before_loading(flags, words, capsys):
 
     assert serve.main(["--model", "/no/such/model", *flags]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_a_top_k_past_the_vocabulary_breaks_no_later_request(random_model):
+    """``top_k`` at or past the vocabulary keeps every token (as no top-k); before, the sampler's
+    failure left MLX's global random state broken and every later seedless request was a 500."""
+    prompt = random_model.encode("Once upon a time")
+    with running_server(random_model) as url:
+        for body in ({"top_k": 300_000, "temperature": 1.0, "seed": 4}, {"top_k": 262_144, "temperature": 1.0},
+                     {"temperature": 1.0}, {"temperature": 1.0}):  # fmt: skip
+            code, answer = http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 5, **body})
+            assert code == 200, answer
+        past = http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 1.0, "top_k": 300_000, "seed": 4})
+        plain = http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 5, "temperature": 1.0, "seed": 4})
+        assert past[1]["choices"][0]["text"] == plain[1]["choices"][0]["text"]
+    random_model.generate(prompt, max_tokens=5, sampling=SamplingOptions(temp=1.0, top_k=300_000))
+    assert random_model.generate(prompt, max_tokens=5, sampling=SamplingOptions(temp=1.0))  # in-process too
+
+
+def health_latencies(url: str, body: dict, path: str = "/v1/chat/completions") -> tuple[tuple[int, dict], list[float]]:
+    """The answer to ``body`` and how long each ``/health`` took while it was being handled."""
+    import threading
+
+    answer: list = []
+    worker = threading.Thread(target=lambda: answer.append(http(url + path, body)))
+    worker.start()
+    latencies = []
+    while worker.is_alive() or not latencies:
+        start = time.perf_counter()
+        assert http(url + "/health")[0] == 200
+        latencies.append(time.perf_counter() - start)
+        time.sleep(0.05)
+    worker.join()
+    return answer[0], latencies
+
+
+def test_health_answers_while_a_huge_prompt_is_refused(answer_model):
+    """A prompt of millions of characters is refused by its length before tokenizing (it took the
+    event loop for minutes), and ``/health`` answers within a second throughout."""
+    with running_server(answer_model) as url:
+        (code, answer), latencies = health_latencies(url, {"model": "tiny", "messages": [{"role": "user", "content": "word " * 2_000_000}]})
+        assert max(latencies) < 1.0, latencies
+        assert code == 400 and "characters" in answer["error"]["message"] and "context of 512" in answer["error"]["message"], answer
+        (code, answer), latencies = health_latencies(url, {"model": "tiny", "prompt": "word " * 2_000_000}, "/v1/completions")
+        assert max(latencies) < 1.0, latencies
+        assert code == 400 and answer["error"]["param"] == "prompt", answer
+        (code, answer), latencies = health_latencies(url, {"model": "tiny", "messages": USER, "max_tokens": 40, "stop": ["x" * 999 + "y", "P" * 1000]})
+        assert code == 200 and answer["choices"][0]["message"]["content"] == ANSWER
+        assert max(latencies) < 1.0, latencies

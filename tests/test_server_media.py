@@ -20,7 +20,7 @@ pytest.importorskip("uvicorn")
 
 import models  # noqa: E402
 from models.serving.media import MediaPolicy  # noqa: E402
-from tests.server_tiny import running_server  # noqa: E402
+from tests.server_tiny import http, running_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -78,6 +78,7 @@ def test_images_by_data_url_and_allowed_path_equal_generate(model, photo, tmp_pa
                               (str(photo.parent / "missing.png"), "no such file"),
                               ("data:image/png;base64," + base64.b64encode(b"GIF89a-not-really").decode(), "not a readable image"),
                               ("data:image/png;base64,@@@", "does not decode"),
+                              ("http://example.com/a.png", "network URLs are not allowed"),
                               ("ftp://host/a.png", "unsupported URL scheme")):  # fmt: skip
             with pytest.raises(openai.BadRequestError, match=words) as caught:
                 ask(source)
@@ -184,3 +185,79 @@ def test_video_url_equals_generate(audio_model, tmp_path):
         content = [{"type": "video_url", "video_url": {"url": url_of}}, {"type": "text", "text": "What happens?"}]
         reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=6)
     assert reply.choices[0].message.content == want
+
+
+def test_a_playlist_never_reads_a_file_outside_the_allowed_folders(audio_model, tmp_path):
+    """An HLS playlist naming a real recording outside every allowed folder: sent as audio (any
+    format name, or as ``wav``) or as a video (data URL or an allowed path), it is a 400, and a
+    playlist naming a missing file gets the same answer (no existence oracle). Before, ``"format":
+    "m3u8"`` decoded the recording (200), and ``"a/b"`` was a bare 500."""
+    from tests.test_media_containers import playlist, write_secret
+
+    private, allowed = tmp_path / "private", tmp_path / "allowed"
+    private.mkdir()
+    allowed.mkdir()
+    write_secret(private / "recording.ts")
+    (allowed / "list.m3u8").write_text(playlist(private / "recording.ts"))
+    data = base64.b64encode(playlist(private / "recording.ts").encode()).decode()
+    missing = base64.b64encode(playlist(private / "missing.ts").encode()).decode()
+
+    def audio(payload: str, kind: str) -> dict:
+        part = {"type": "input_audio", "input_audio": {"data": payload, "format": kind}}
+        return {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [part, {"type": "text", "text": "Hi"}]}]}
+
+    def video(url_of: str) -> dict:
+        part = {"type": "video_url", "video_url": {"url": url_of}}
+        return {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": [part, {"type": "text", "text": "Hi"}]}]}
+
+    with running_server(audio_model, media=MediaPolicy((allowed,))) as url:
+        for body, words in ((audio(data, "m3u8"), "input_audio.format"), (audio(data, "a/b"), "input_audio.format"),
+                            (audio(data, "wav\0"), "input_audio.format"), (audio(data, "wav"), "cannot read audio"),
+                            (audio(data, "aac"), "cannot read audio"), (video("data:video/mp4;base64," + data), "the video"),
+                            (video(str(allowed / "list.m3u8")), "the video")):  # fmt: skip
+            code, answer = http(url + "/v1/chat/completions", body)
+            assert code == 400, answer
+            assert "messages[0].content[0]" in answer["error"]["message"] and words in answer["error"]["message"], answer
+        assert http(url + "/v1/chat/completions", audio(missing, "wav")) == http(url + "/v1/chat/completions", audio(data, "wav"))
+        assert http(url + "/health") == (200, {"status": "ok"})
+
+
+def test_images_are_sized_from_their_headers_and_held_to_the_budget(model, photo, monkeypatch):
+    """An image over Pillow's pixel limit (where Pillow only warns) is refused from its header, as
+    the path loader refuses it; too many parts or too many bytes (4 a decoded pixel) are refused
+    before any image is decoded; a text model refuses images before reading them."""
+    from PIL import Image
+
+    import models.serving.app as app
+
+    decoded = []
+    real_open = app.open_image
+    monkeypatch.setattr(app, "open_image", lambda data, where: decoded.append(where) or real_open(data, where))
+    png = photo.read_bytes()
+    data_url = "data:image/png;base64," + base64.b64encode(png).decode()
+
+    def ask(url: str, images: int) -> tuple[int, dict]:
+        content = [{"type": "image_url", "image_url": {"url": data_url}}] * images + [{"type": "text", "text": "What is this?"}]
+        return http(url + "/v1/chat/completions", {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": content}]})
+
+    pixels = 60 * 90
+    with running_server(model) as url:
+        with monkeypatch.context() as limit:
+            limit.setattr(Image, "MAX_IMAGE_PIXELS", pixels - 1)
+            code, answer = ask(url, 1)
+        assert code == 400 and "decompression-bomb limit" in answer["error"]["message"] and answer["error"]["param"] == "messages[0].content[0]"
+        assert not decoded
+        assert ask(url, 1)[0] == 200 and len(decoded) == 1
+    decoded.clear()
+    with running_server(model, media=MediaPolicy(max_parts=2)) as url:
+        code, answer = ask(url, 3)
+        assert code == 400 and "3 media parts" in answer["error"]["message"] and "at most 2" in answer["error"]["message"]
+    with running_server(model, media=MediaPolicy(max_request_bytes=2 * (len(png) + pixels * 4))) as url:
+        code, answer = ask(url, 3)
+        assert code == 400 and answer["error"]["param"] == "messages[0].content[2]", answer
+        assert not decoded
+        assert ask(url, 2)[0] == 200 and len(decoded) == 2
+    with running_server(model) as url:
+        content = [{"type": "image_url", "image_url": {"url": "/etc/passwd"}}]
+        code, answer = http(url + "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": content}]})
+        assert code == 400 and "local files are not allowed" in answer["error"]["message"]

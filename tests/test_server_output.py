@@ -4,6 +4,7 @@ boundaries, Gemma 4 channels and tool calls on the real tokenizer's ids, and err
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -94,7 +95,12 @@ def test_stop_strings_apply_to_content_not_reasoning(tokenizer):
      "messages[0].content[0].image_url.url"),
     (ChatRequest, {"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
     (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}, None),
-    (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, None),
+    (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": "x" * 1001}, "stop"),
+    (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "m3u8"}}]}]},
+     "messages[0].content[0].input_audio.format"),
+    (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "", "format": "a/b"}}]}]},
+     "messages[0].content[0].input_audio.format"),
     (ChatRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
     (CompletionRequest, {"model": "m", "prompt": [1, True]}, "prompt[1]"),
     (CompletionRequest, {"model": "m", "prompt": "x", "max_tokens": 5.0}, "max_tokens"),
@@ -102,6 +108,19 @@ def test_stop_strings_apply_to_content_not_reasoning(tokenizer):
 def test_request_faults_are_located(model, body, where):
     with pytest.raises(APIError) as caught:
         parse(model, body)
-    assert caught.value.status == 400
+    assert caught.value.status == 400 and len(caught.value.message) < 400  # a long value is not echoed whole
     if where is not None:
         assert caught.value.param == where and where in caught.value.message
+
+
+def test_stop_strings_match_in_linear_time():
+    """A long stop string that the text keeps almost matching: the work grows with the text, not
+    with the text times the square of the stop (issue 27: a 1 MB stop string held the event loop 27 s)."""
+    stop = StopStrings(["a" * 1999 + "b", "zz"])
+    start = time.perf_counter()
+    out = "".join(stop.feed("aaaaa") for _ in range(400))
+    assert time.perf_counter() - start < 1.0
+    assert out == "a" * 1  # all but the 1999 characters that could still start the first stop
+    assert stop.feed("b") == "" and stop.stopped
+    other = StopStrings(["abcd", "bc"])
+    assert other.feed("abcd") == "a" and other.stopped  # "bc" is completed first

@@ -4,8 +4,8 @@ A prompt with images is prefilled in chunks that never cut through an image
 (``models.generation.prompts.prefill_chunks``); a chunk holding images passes their features to the
 model, which reads it through ``vision_prefill``.
 
-Sampling (temperature, top-p, top-k, min-p) uses mlx-lm's filters with a random key per
-conversation (``TokenSampler``), and streaming detokenization is mlx-lm's detokenizer; what is ours is the loop over our caches, the stop rule and
+Sampling (temperature, top-p, top-k, min-p) uses mlx-lm's filter arithmetic with a random key per
+conversation (``TokenSampler``) and never MLX's global random state, and streaming detokenization is mlx-lm's detokenizer; what is ours is the loop over our caches, the stop rule and
 the bookkeeping that lets a chat keep its cache across turns (every yielded token has been fed to
 the cache; a stop token never is).
 """
@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from cache import cache_offset, quantize_caches, trim_cache
-
-
 from models.generation.prompts import ImageSpan, prefill_chunks
 from zoo_cpu import fast_math
 
@@ -136,36 +134,56 @@ class SamplingOptions:
                 raise GenerationOptionError(name, value, requirement)
 
 
+
+def filter_logprobs(logprobs: mx.array, options: SamplingOptions) -> mx.array:
+    """``logprobs [..., V]`` with the tokens ``options`` rule out set to ``-inf``: top-p, min-p and
+    top-k in mlx-lm's ``make_sampler`` order and arithmetic (``apply_top_p``, ``apply_min_p`` with one
+    token kept, ``apply_top_k``; ``tests/test_sampling.py`` checks them equal).
+
+    mlx-lm's functions are ``mx.compile``d with MLX's global random state as an input and output;
+    one that raises while it is traced (``apply_top_k`` with ``top_k >= V``) leaves that state a
+    placeholder, and every later draw from it fails ("Attempting to eval an array without a
+    primitive"), in every request of a server. These run uncompiled and touch no global state.
+    ``top_k >= V`` keeps every token (the top V of V), as ``top_k = 0`` does."""
+    if 0 < options.top_p < 1.0:
+        ascending = mx.sort(logprobs, axis=-1)
+        probs = mx.exp(ascending.astype(mx.float32))
+        mass_above = mx.cumsum(probs, axis=-1, reverse=True, inclusive=False)
+        total = mass_above[..., :1] + probs[..., :1]
+        dropped = (mass_above >= options.top_p * total).sum(axis=-1, keepdims=True)
+        threshold = mx.take_along_axis(ascending, dropped, axis=-1)
+        logprobs = mx.where(logprobs < threshold, -float("inf"), logprobs)
+    if options.min_p != 0.0:
+        floor = mx.max(logprobs, axis=-1, keepdims=True) + math.log(options.min_p)
+        logprobs = mx.where(logprobs < floor, -float("inf"), logprobs)
+    k = options.top_k
+    if 0 < k < logprobs.shape[-1]:
+        drop = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., k:]
+        logprobs = mx.put_along_axis(logprobs, drop, mx.array(-float("inf"), logprobs.dtype), axis=-1)
+    return logprobs
+
+
 class TokenSampler:
     """Picks one conversation's next token from its logits: the argmax at ``temp == 0``, otherwise
-    mlx-lm's top-p, min-p and top-k filters (in ``make_sampler``'s order) and a categorical draw.
+    mlx-lm's top-p, min-p and top-k filters (``filter_logprobs``) and a categorical draw.
 
     mlx-lm's ``make_sampler`` draws from MLX's global random state, which the rows of a batch would
-    share (a row's tokens would depend on its neighbours and on the order rows are sampled in). Here
-    each conversation splits a key of its own, made from ``seed`` (or drawn from the global state
-    when there is none), so a request samples the same tokens alone or in any batch."""
+    share (a row's tokens would depend on its neighbours and on the order rows are sampled in), and
+    which one failed call can break for the whole process. Here each conversation splits a key of
+    its own, made from ``seed`` (or from the operating system's randomness when there is none), so a
+    request samples the same tokens alone or in any batch, and nothing is shared between requests."""
 
     def __init__(self, options: SamplingOptions):
         options.check()
         self.options = options
-        seed = options.seed if options.seed is not None else int(mx.random.randint(0, 2**31 - 1, ()).item())
+        seed = options.seed if options.seed is not None else secrets.randbits(63)
         self.key = mx.random.key(seed)
-        o = options
-        self.filters = [
-            f for on, f in (
-                (0 < o.top_p < 1.0, lambda x: apply_top_p(x, o.top_p)),
-                (o.min_p != 0.0, lambda x: apply_min_p(x, o.min_p, 1)),
-                (o.top_k > 0, lambda x: apply_top_k(x, o.top_k)),
-            ) if on
-        ]  # fmt: skip
 
     def __call__(self, logits: mx.array) -> mx.array:
         """The next token of logits ``[1, V]`` (shape ``[1]``), not evaluated."""
         if self.options.temp == 0:  # greedy: the argmax needs no normalising
             return mx.argmax(logits, axis=-1)
-        logprobs = fast_math.log_softmax(logits)  # mlx-lm's filters take log-probabilities
-        for keep in self.filters:
-            logprobs = keep(logprobs)
+        logprobs = filter_logprobs(fast_math.log_softmax(logits), self.options)  # the filters take log-probabilities
         self.key, draw = mx.random.split(self.key)
         return mx.random.categorical(logprobs * (1.0 / self.options.temp), key=draw)
 

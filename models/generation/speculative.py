@@ -25,16 +25,14 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from cache import cache_offset, owning_caches, trim_cache
-
 from graphs.gemma4_assistant import Gemma4AssistantModel
 from graphs.gemma4_assistant_config import DrafterMismatchError
 
 from models.generation.generate import (
     DEFAULT_PREFILL_STEP, GenerationOptionError, GenerationStats, KVQuantization, SamplingOptions, check_context,
-    check_positive_int, prefill,
+    check_positive_int, filter_logprobs, prefill,
 )  # fmt: skip
 from models.generation.prompts import ImageSpan
 from zoo_cpu import fast_math
@@ -65,13 +63,7 @@ class SpeculationCounts:
 def distribution(logits: mx.array, options: SamplingOptions) -> mx.array:
     """The probabilities ``[..., V]`` mlx-lm's sampler draws from for ``options`` (temp > 0): its
     filters (top-p, min-p, top-k, in its order) on the log-probabilities, then ``softmax(x / temp)``."""
-    logprobs = fast_math.log_softmax(logits.astype(mx.float32))
-    if 0 < options.top_p < 1.0:
-        logprobs = apply_top_p(logprobs, options.top_p)
-    if options.min_p != 0.0:
-        logprobs = apply_min_p(logprobs, options.min_p)
-    if options.top_k > 0:
-        logprobs = apply_top_k(logprobs, options.top_k)
+    logprobs = filter_logprobs(fast_math.log_softmax(logits.astype(mx.float32)), options)
     return mx.softmax(logprobs * (1.0 / options.temp), axis=-1)
 
 

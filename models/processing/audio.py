@@ -2,7 +2,11 @@
 
 * **Decoding** (``load_audio``): files go through soundfile (libsndfile: wav, flac, ogg/vorbis/opus,
   mp3, aiff, caf, ...); what libsndfile cannot read (m4a/aac, webm, the audio track of a video) goes
-  through PyAV when it is installed. Channels are averaged to mono (librosa's ``mono=True``) and
+  through PyAV when it is installed, which may open only the containers of
+  ``models.processing.AUDIO_DEMUXERS`` and ``VIDEO_DEMUXERS`` (never a playlist that names other
+  files). Bytes in memory (``AudioBytes``, what a server receives) name their container from
+  ``AUDIO_FORMATS``, and PyAV opens them with exactly that demuxer. A clip is refused as too long
+  from its header or as soon as the decoded part passes the limit, before the rest is decoded. Channels are averaged to mono (librosa's ``mono=True``) and
   the signal resampled with soxr (its "HQ" quality, librosa's default) to the feature extractor's
   sampling rate. Arrays are taken as float samples at a given rate (``(samples, rate)``).
 * **Features** are transformers' own ``Gemma4AudioFeatureExtractor`` (a runtime dependency
@@ -24,6 +28,7 @@ cut mid-word is the caller's decision, not ours), ``NonFiniteAudioError`` (NaN o
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from dataclasses import dataclass
@@ -31,10 +36,12 @@ from typing import Mapping, Sequence, Tuple, Union
 
 import numpy as np
 
-from models.processing import media_module
+from models.processing import AUDIO_DEMUXERS, VIDEO_DEMUXERS, media_module, open_container
 from models.processing.settings import AUDIO_DEFAULTS, PROCESSOR_DEFAULTS
 
-AudioInput = Union[str, os.PathLike, Tuple[np.ndarray, int], np.ndarray]
+# The audio formats bytes may be sent in (an API's ``input_audio.format``), and the FFmpeg demuxer
+# that reads each; the name is also the file suffix where one is needed.
+AUDIO_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "ogg": "ogg", "opus": "ogg", "m4a": "mov", "aac": "aac", "webm": "matroska"}
 # transformers' Gemma4AudioFeatureExtractor.__call__ default: the longest clip it keeps (30 s at 16 kHz).
 MAX_SAMPLES = 480_000
 
@@ -56,6 +63,23 @@ class NonFiniteAudioError(ValueError):
 
 
 @dataclass(frozen=True)
+class AudioBytes:
+    """An encoded clip in memory: ``data`` in the container ``format`` (a key of ``AUDIO_FORMATS``),
+    ``name`` to call it in messages."""
+
+    data: bytes
+    format: str
+    name: str = "<audio bytes>"
+
+    def __post_init__(self) -> None:
+        if self.format not in AUDIO_FORMATS:
+            raise AudioDecodeError(f"audio {self.name}: format {self.format!r} is not one of {sorted(AUDIO_FORMATS)}")
+
+
+AudioInput = Union[str, os.PathLike, Tuple[np.ndarray, int], np.ndarray, AudioBytes]
+
+
+@dataclass(frozen=True)
 class ProcessedAudio:
     """One clip as the audio tower reads it: ``features [frames, 128]`` float32 (valid frames only)."""
 
@@ -70,16 +94,21 @@ class ProcessedAudio:
         return self.samples / self.sampling_rate
 
 
-def load_audio(source: AudioInput, sampling_rate: int = 16_000) -> tuple[np.ndarray, str]:
+def load_audio(source: AudioInput, sampling_rate: int = 16_000, max_seconds: float | None = None) -> tuple[np.ndarray, str]:
     """``(mono float32 samples at sampling_rate, a name for messages)``.
 
-    ``source`` is a path, ``(samples, rate)`` with samples ``[n]`` or ``[n, channels]``, or a 1-D
-    array already at ``sampling_rate``.
+    ``source`` is a path, ``AudioBytes``, ``(samples, rate)`` with samples ``[n]`` or
+    ``[n, channels]``, or a 1-D array already at ``sampling_rate``. ``max_seconds``: a file or
+    bytes clearly longer (by half a second: the caller checks the exact limit after resampling) is
+    refused with ``AudioTooLongError`` before it is decoded whole.
     """
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
-        samples, rate = _decode_file(path)
+        samples, rate = _decode_file(path, max_seconds)
         name = path
+    elif isinstance(source, AudioBytes):
+        name = source.name
+        samples, rate = _decode(io.BytesIO(source.data), name, AUDIO_FORMATS[source.format], max_seconds)
     elif isinstance(source, tuple) and len(source) == 2:
         samples, rate = np.asarray(source[0]), source[1]
         if not isinstance(rate, (int, np.integer)) or isinstance(rate, bool) or rate <= 0:
@@ -113,34 +142,54 @@ def _as_float(samples: np.ndarray, name: str) -> np.ndarray:
     raise ValueError(f"audio {name}: samples must be float or integer PCM, got dtype {samples.dtype}")
 
 
-def _decode_file(path: str) -> tuple[np.ndarray, int]:
+def _decode_file(path: str, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
     if not os.path.isfile(path):
         raise AudioDecodeError(f"audio {path!r}: no such file")
-    soundfile = media_module("soundfile", f"reading audio {path!r}")
+    return _decode(path, repr(path), None, max_seconds)
+
+
+def _decode(source, name: str, demuxer: str | None, max_seconds: float | None) -> tuple[np.ndarray, int]:
+    """Samples ``[n, channels]`` and their rate from a path or a binary file object: soundfile
+    first, then PyAV (with ``demuxer`` when the container is known)."""
+    soundfile = media_module("soundfile", f"reading audio {name}")
     try:
-        samples, rate = soundfile.read(path, dtype="float32", always_2d=True)
-        return samples, int(rate)
+        with soundfile.SoundFile(source) as clip:
+            _check_length(clip.frames, clip.samplerate, max_seconds, name)
+            return clip.read(dtype="float32", always_2d=True), int(clip.samplerate)
+    except AudioTooLongError:
+        raise
     except Exception as first:  # libsndfile raises LibsndfileError / RuntimeError / TypeError by format
-        sndfile_error = f"soundfile: {first}"
+        sndfile_error = f"soundfile: {first}".replace(repr(source), name)  # a file object reads as its address
+    if not isinstance(source, str):
+        source.seek(0)
     try:
-        import av
+        import av  # noqa: F401  (optional: only for what libsndfile cannot read)
     except ImportError:
-        raise AudioDecodeError(f"cannot read audio {path!r} ({sndfile_error}; PyAV is not installed for other formats)") from None
+        raise AudioDecodeError(f"cannot read audio {name} ({sndfile_error}; PyAV is not installed for other formats)") from None
     try:
-        return _decode_with_av(av, path)
+        return _decode_with_av(source, name, demuxer, max_seconds)
     except AudioDecodeError as err:
-        raise AudioDecodeError(f"cannot read audio {path!r} ({sndfile_error}; {err})") from None
+        raise AudioDecodeError(f"cannot read audio {name} ({sndfile_error}; {err})") from None
 
 
-def _decode_with_av(av, path: str) -> tuple[np.ndarray, int]:
+def _check_length(samples: int, rate: int, max_seconds: float | None, name: str) -> None:
+    if max_seconds is not None and rate > 0 and samples / rate > max_seconds + 0.5:
+        raise AudioTooLongError(
+            f"audio {name} lasts {samples / rate:.2f} s or more; one clip may hold at most about {max_seconds:g} s. "
+            "Split it (models.processing.audio.split_audio) and give each piece its own <|audio|> placeholder"
+        )
+
+
+def _decode_with_av(source, name: str, demuxer: str | None, max_seconds: float | None) -> tuple[np.ndarray, int]:
     """The first audio stream, all channels, as float32 ``[n, channels]``."""
+    demuxers = tuple(dict.fromkeys(AUDIO_DEMUXERS + VIDEO_DEMUXERS))
     try:
-        with av.open(path) as container:
+        with open_container(source, f"reading audio {name}", demuxers, demuxer) as container:
             streams = container.streams.audio
             if not streams:
                 raise AudioDecodeError("PyAV: the file has no audio stream")
             stream = streams[0]
-            chunks, rate = [], stream.codec_context.sample_rate
+            chunks, rate, count = [], stream.codec_context.sample_rate, 0
             for frame in container.decode(stream):
                 array = frame.to_ndarray()
                 channels = len(frame.layout.channels)
@@ -148,12 +197,15 @@ def _decode_with_av(av, path: str) -> tuple[np.ndarray, int]:
                     array = array.reshape(channels, -1).T
                 else:
                     array = array.reshape(-1, channels)
-                chunks.append(_as_float(array, path))
+                chunks.append(_as_float(array, name))
                 rate = frame.sample_rate or rate
-    except AudioDecodeError:
+                count += len(array)
+                _check_length(count, rate, max_seconds, name)
+    except (AudioDecodeError, AudioTooLongError):
         raise
-    except Exception as err:  # av.error.* (InvalidDataError, ...) and decoder errors
-        raise AudioDecodeError(f"PyAV: {err}") from None
+    except Exception as err:  # av.error.* (InvalidDataError, a container not allowed: "Invalid argument", ...)
+        allowed = demuxer or ", ".join(demuxers)
+        raise AudioDecodeError(f"PyAV: {err} (readable containers: {allowed})") from None
     if not chunks:
         raise AudioDecodeError("PyAV: no audio frame could be decoded")
     return np.concatenate(chunks), int(rate)
@@ -200,7 +252,7 @@ class Gemma4AudioProcessor:
     def process(self, audio: AudioInput | ProcessedAudio) -> ProcessedAudio:
         if isinstance(audio, ProcessedAudio):
             return audio
-        samples, name = load_audio(audio, self.sampling_rate)
+        samples, name = load_audio(audio, self.sampling_rate, self.max_samples / self.sampling_rate)
         frames = self.frames(len(samples))
         if frames == 0:
             raise EmptyAudioError(

@@ -91,11 +91,11 @@ class Gemma4UnifiedAudioProcessor:
     def process(self, audio: AudioInput | ProcessedAudio) -> ProcessedAudio:
         if isinstance(audio, ProcessedAudio):
             return audio
-        samples, name = load_audio(audio, self.sampling_rate)
+        limit = self.audio_seq_length * self.samples_per_token / self.sampling_rate
+        samples, name = load_audio(audio, self.sampling_rate, limit)
         tokens = -(-len(samples) // self.samples_per_token)
         if tokens > self.audio_seq_length:
             seconds = len(samples) / self.sampling_rate
-            limit = self.audio_seq_length * self.samples_per_token / self.sampling_rate
             raise AudioTooLongError(
                 f"audio {name} lasts {seconds:.2f} s ({tokens} soft tokens); one clip may hold at most "
                 f"{self.audio_seq_length} soft tokens ({limit:g} s, the processor's audio_seq_length). Split it "

@@ -3,7 +3,11 @@
 It reproduces transformers 5.24's ``Gemma4VideoProcessor`` with the PyAV decoder
 (``transformers.video_utils.read_video_pyav``), value for value:
 
-* **Decoding**: PyAV, frames converted to ``rgb24``. The frame count is the stream's ``frames``
+* **Decoding**: PyAV, frames converted to ``rgb24``. PyAV may open only the containers of
+  ``models.processing.VIDEO_DEMUXERS`` (never a playlist that names other files), frames larger
+  than Pillow's decompression-bomb limit (``PIL.Image.MAX_IMAGE_PIXELS``, the image loader's) are
+  refused from the stream's header, and each sampled frame is resized as it is decoded, so memory
+  holds one full-size frame at a time. The frame count is the stream's ``frames``
   and the rate its ``average_rate``, as the reference reads them; a container that does not state
   its frame count (some WebM/MKV) is counted by demuxing its packets (the reference would fail).
 * **Sampling**: ``num_frames`` (32) frames at ``arange(num_frames) * total // num_frames``
@@ -22,23 +26,25 @@ It reproduces transformers 5.24's ``Gemma4VideoProcessor`` with the PyAV decoder
   into one float32 division), patches in ``[py][px][channel]`` order, row-major, unpadded (the
   reference pads every frame to ``max_soft_tokens * 9`` patches; the tower gives the same features).
 
-Bad input raises a named ``ValueError`` subclass: ``VideoDecodeError`` (not a video, corrupt),
-``NoVideoFramesError`` (no video stream, or no frame decodes).
+Bad input raises a named ``ValueError`` subclass: ``VideoDecodeError`` (not a video, corrupt, a
+container not allowed), ``NoVideoFramesError`` (no video stream, or no frame decodes),
+``VideoFrameTooLargeError`` (frames over the pixel limit).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Mapping, Sequence, Union
+from typing import Callable, Mapping, Sequence, TypeVar, Union
 
 import numpy as np
 
-from models.processing import media_module
+from models.processing import VIDEO_DEMUXERS, MediaLibraryMissingError, open_container
 from models.processing.image_processor import SUPPORTED_SOFT_TOKEN_BUDGETS, _patchify, target_size
 from models.processing.settings import VIDEO_DEFAULTS
 
 VideoInput = Union[str, os.PathLike, np.ndarray]
+T = TypeVar("T")
 
 
 class VideoDecodeError(ValueError):
@@ -47,6 +53,10 @@ class VideoDecodeError(ValueError):
 
 class NoVideoFramesError(ValueError):
     """A file without a video stream, or whose video stream yields no decodable frame."""
+
+
+class VideoFrameTooLargeError(ValueError):
+    """A video whose frames have more pixels than images may (Pillow's decompression-bomb limit)."""
 
 
 @dataclass(frozen=True)
@@ -166,26 +176,28 @@ class Gemma4VideoProcessor:
         if count is not None and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
             raise ValueError(f"num_frames must be a positive int, got {count!r}")
         sample_fps = None if num_frames is not None else self.settings["fps"]
+        size: list[tuple[int, int]] = []  # the first frame's resized (height, width), which every frame takes
+
+        def patches_of(frame: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            if not size:
+                size.append(target_size(*frame.shape[:2], budget, self.patch_size, self.pooling_kernel_size))
+            resized = resize_uint8_bicubic(frame, *size[0])
+            return _patchify(resized.astype(np.float32) / np.float32(255), self.patch_size)
+
         if isinstance(video, (str, os.PathLike)):
             source = os.fspath(video)
-            frames, indices, video_fps, total = _decode_sampled(source, count, sample_fps)
+            frames, indices, video_fps, total = _decode_sampled(source, count, sample_fps, patches_of)
         elif isinstance(video, np.ndarray):
             source = f"<array {video.dtype} {list(video.shape)}>"
             if video.dtype != np.uint8 or video.ndim != 4 or video.shape[-1] != 3 or 0 in video.shape:
                 raise ValueError(f"video array {source}: expected uint8 [frames, H, W, 3] with every size > 0")
             total, video_fps = video.shape[0], float(fps or 24)
             indices = sample_indices(total, video_fps, count, sample_fps)
-            frames = [video[i] for i in indices]
+            frames = [patches_of(video[i]) for i in indices]
         else:
             raise TypeError(f"a video must be a path or a uint8 numpy array, got {type(video).__name__}")
-        in_h, in_w = frames[0].shape[:2]
-        height, width = target_size(in_h, in_w, budget, self.patch_size, self.pooling_kernel_size)
-        patches, positions = [], None
-        for frame in frames:
-            resized = resize_uint8_bicubic(frame, height, width)
-            pixels = resized.astype(np.float32) / np.float32(255)
-            frame_patches, positions = _patchify(pixels, self.patch_size)
-            patches.append(frame_patches)
+        height, width = size[0]
+        patches, positions = [p for p, _ in frames], frames[0][1]
         return ProcessedVideo(
             patches=np.stack(patches),
             position_ids=positions,
@@ -203,20 +215,29 @@ class Gemma4VideoProcessor:
         return [self.process(v, max_soft_tokens) for v in videos]
 
 
-def _decode_sampled(path: str, num_frames: int | None, fps: float | None) -> tuple[list[np.ndarray], np.ndarray, float, int]:
-    """The sampled frames (rgb24 uint8), their indices, the stream's fps and its frame count."""
+def _decode_sampled(path: str, num_frames: int | None, fps: float | None, convert: Callable[[np.ndarray], T]) -> tuple[list[T], np.ndarray, float, int]:
+    """The sampled frames (rgb24 uint8, each through ``convert`` as it is decoded), their indices,
+    the stream's fps and its frame count."""
+    from PIL import Image
+
     if not os.path.isfile(path):
         raise VideoDecodeError(f"video {path!r}: no such file")
-    av = media_module("av", f"reading video {path!r}")
-
     try:
-        container = av.open(path)
-    except Exception as err:  # av.error.InvalidDataError and friends
-        raise VideoDecodeError(f"cannot open video {path!r}: {err}") from None
+        container = open_container(path, f"reading video {path!r}", VIDEO_DEMUXERS)
+    except MediaLibraryMissingError:
+        raise
+    except Exception as err:  # av.error.InvalidDataError, a container not allowed ("Invalid argument"), ...
+        raise VideoDecodeError(f"cannot open video {path!r}: {err} (readable containers: {', '.join(VIDEO_DEMUXERS)})") from None
     try:
         if not container.streams.video:
             raise NoVideoFramesError(f"video {path!r} has no video stream")
         stream = container.streams.video[0]
+        width, height = stream.codec_context.width, stream.codec_context.height
+        if width * height > Image.MAX_IMAGE_PIXELS:
+            raise VideoFrameTooLargeError(
+                f"video {path!r}: its frames are {width}x{height}, over Pillow's decompression-bomb limit of "
+                f"{Image.MAX_IMAGE_PIXELS} pixels (PIL.Image.MAX_IMAGE_PIXELS), which images are held to as well"
+            )
         video_fps = float(stream.average_rate) if stream.average_rate else 0.0
         total = int(stream.frames)
         if total <= 0:  # not stated by the container: count the packets (no decoding)
@@ -226,7 +247,7 @@ def _decode_sampled(path: str, num_frames: int | None, fps: float | None) -> tup
             raise NoVideoFramesError(f"video {path!r}: its video stream holds no frame")
         indices = sample_indices(total, video_fps or None, num_frames, fps)
         wanted = set(int(i) for i in indices)
-        frames: list[np.ndarray] = []
+        frames: list[T] = []
         decoded = 0
         try:
             for index, frame in enumerate(container.decode(video=0)):
@@ -234,7 +255,7 @@ def _decode_sampled(path: str, num_frames: int | None, fps: float | None) -> tup
                 if index > indices[-1]:
                     break
                 if index in wanted:
-                    frames.append(frame.to_ndarray(format="rgb24"))
+                    frames.append(convert(frame.to_ndarray(format="rgb24")))
         except Exception as err:
             if not frames:
                 raise NoVideoFramesError(f"video {path!r}: no frame could be decoded ({err})") from None

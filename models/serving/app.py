@@ -5,13 +5,21 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (server-sent eve
 ``GET /health``, ``GET /metrics``. Errors are OpenAI-shaped bodies (``{"error": {"message", "type",
 "param", "code"}}``) with a 4xx naming the fault; the server keeps serving after any of them.
 
-A request's way: the body is checked (``schemas``), media parts are read and opened (``media``,
-in a worker thread), the messages go through the model's own chat template (tools and thinking
-included), and the ids go to the engine. The handler waits for the first event before it answers,
-so a request the engine refuses (a prompt past the context, an image the tower rejects) is still a
-400, not a broken stream. A client that disconnects cancels its request; a stop string cancels the
-rest of the answer. Tokenizing and detokenizing happen on the event loop's thread (one at a time:
-Hugging Face tokenizers are not safe to share across threads), the model on the engine's.
+A request's way: the body is parsed and checked (``schemas``) in a worker thread; its media parts
+are counted and checked against the model's towers, then read and sized from their headers
+without decoding (``media``); the messages go through the model's own chat template (tools and
+thinking included) and are tokenized, after a bound on their characters (no token of the
+vocabulary covers more than its longest piece, so a longer text cannot fit the context); the text
+alone is checked against the context; only then are the media decoded and processed, and the ids
+go to the engine. The handler waits for the first event before it answers, so a request the engine
+refuses (a prompt past the context, an image the tower rejects) is still a 400, not a broken
+stream. A client that disconnects cancels its request; a stop string cancels the rest of the answer.
+
+The event loop only routes and detokenizes (stop strings match in linear time), so ``/health``
+answers while requests are prepared. Rendering and tokenizing run in worker threads one at a
+time (Hugging Face tokenizers are not safe to use from two threads at once), media reading and
+decoding one request at a time (so decoded media take at most one request's budget), the model on
+the engine's thread.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import secrets
 import tempfile
@@ -37,7 +46,7 @@ from models.generation.chat import plain_transcript
 from models.generation.generate import GenerationOptionError, SamplingOptions
 from models.generation.batch import BatchRequest
 from models.serving.engine import DiffusionRequest, Engine, Event, QueueFull
-from models.serving.media import Media, MediaPolicy, template_messages
+from models.serving.media import Media, MediaPolicy, media_counts, open_image, template_messages
 from models.serving.output import Delta, Markers, OutputParser
 from models.serving.schemas import APIError, ChatRequest, CompletionRequest, parse
 
@@ -72,6 +81,25 @@ class Server:
         self.markers = Markers.of(model.tokenizer)
         self.diffusion = engine.diffusion
         self.started = int(time.time())
+        # The most characters one token covers: a text longer than context * this cannot fit.
+        self.token_chars = max(map(len, model.tokenizer.get_vocab()))
+
+    @functools.cached_property
+    def tokenizing(self) -> anyio.CapacityLimiter:
+        """Rendering and tokenizing, one at a time (made on first use, inside the event loop)."""
+        return anyio.CapacityLimiter(1)
+
+    @functools.cached_property
+    def media_work(self) -> anyio.CapacityLimiter:
+        """Reading and decoding media, one request at a time."""
+        return anyio.CapacityLimiter(1)
+
+    @property
+    def context(self) -> int | None:
+        """Positions the model holds (None: no limit known)."""
+        if self.diffusion:
+            return getattr(self.model.config.text, "max_position_embeddings", None)
+        return getattr(self.model, "max_context", None)
 
     # ------------------------------------------------------------------------------ prompts
     def render(self, messages: list[dict], tools: list[dict] | None, thinking: bool) -> list[int]:
@@ -82,16 +110,42 @@ class Server:
             if tools:
                 raise APIError(400, "tools: this model has no chat template to declare tools in", "tools")
             try:
-                ids = self.model.encode(plain_transcript(messages, self.settings.model_id))
+                transcript = plain_transcript(messages, self.settings.model_id)
             except ValueError as err:
                 raise APIError(400, f"messages: {err}", "messages") from None
-            return ids
+            self._check_chars(len(transcript), "messages")
+            return self.model.encode(transcript)
         extra = {"tools": tools} if tools else {}
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=thinking, **extra)
         except Exception as err:  # jinja2's TemplateError and what the template raises itself
             raise APIError(400, f"messages: the chat template refused them: {err}", "messages") from None
+        self._check_chars(len(text), "messages")
         return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def _check_chars(self, length: int, param: str) -> None:
+        """Refuse, before tokenizing, a text too long for the context whatever its tokens."""
+        context = self.context
+        if context is not None and length > context * self.token_chars:
+            raise APIError(
+                400, f"{param}: the prompt has {length} characters; the model's context of {context} tokens holds at most "
+                f"{context * self.token_chars} (no token of this vocabulary covers more than {self.token_chars})", param,
+            )  # fmt: skip
+
+    def _encode_prompt(self, text: str) -> list[int]:
+        self._check_chars(len(text), "prompt")
+        return self.model.encode(text)
+
+    def _check_media(self, messages) -> None:
+        """Media parts the model has no tower for are refused before any is read."""
+        counts, model = media_counts(messages), self.model
+        for kind, able, what in (
+            ("image_url", model.supports_images, "no vision tower; it cannot read images"),
+            ("input_audio", getattr(model, "supports_audio", False), "no audio tower; it cannot take audio"),
+            ("video_url", getattr(model, "supports_video", False), "no vision tower; it cannot take video"),
+        ):  # fmt: skip
+            if counts[kind] and not able:
+                raise APIError(400, f"messages: {self.settings.model_id} has {what}", "messages")
 
     async def prepare_chat(self, req: ChatRequest) -> Prepared:
         tools = None
@@ -99,16 +153,18 @@ class Server:
             if not self.markers.has_tools:
                 raise APIError(400, "tools: this model's tokenizer has no tool-call syntax", "tools")
             tools = [tool.model_dump(exclude_none=True) for tool in req.tools]
-        messages, media = await anyio.to_thread.run_sync(template_messages, req.messages, self.settings.media)
-        ids = self.render(messages, tools, req.enable_thinking)
-        parser = OutputParser(self.model.tokenizer, stop=req.stops)
+        self._check_media(req.messages)
+        messages, media = await anyio.to_thread.run_sync(template_messages, req.messages, self.settings.media, limiter=self.media_work)
+        ids = await anyio.to_thread.run_sync(self.render, messages, tools, req.enable_thinking, limiter=self.tokenizing)
+        parser = OutputParser(self.model.tokenizer, stop=req.stops, markers=self.markers)
         return await self._prepared(req, ids, media, parser)
 
     async def prepare_completion(self, req: CompletionRequest) -> Prepared:
         if isinstance(req.prompt, str):
-            ids = self.model.encode(req.prompt)
+            ids = await anyio.to_thread.run_sync(self._encode_prompt, req.prompt, limiter=self.tokenizing)
         else:
             ids = list(req.prompt)
+            self._max_tokens(req, len(ids))  # the length first: a list of ids can be millions long
             bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
             if bad:
                 raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.model.vocab_size})", "prompt")
@@ -116,7 +172,8 @@ class Server:
         return await self._prepared(req, ids, Media(), parser)
 
     async def _prepared(self, req, ids: list[int], media: Media, parser: OutputParser) -> Prepared:
-        images, audio, videos = await anyio.to_thread.run_sync(self._process_media, media)
+        self._max_tokens(req, len(ids))  # the text alone must fit before any media is decoded
+        images, audio, videos = await anyio.to_thread.run_sync(self._process_media, media, limiter=self.media_work)
         # Each image placeholder becomes boi + its soft tokens + eoi; audio and video are counted
         # by the generator at admission (a prompt past the context is then refused there).
         prompt_tokens = len(ids) + sum(getattr(image, "num_soft_tokens", 0) + 1 for image in images)
@@ -145,9 +202,7 @@ class Server:
 
     def _max_tokens(self, req, prompt_tokens: int) -> int:
         """The request's token budget, refused when prompt and budget do not fit the context."""
-        context = getattr(self.model, "max_context", None)
-        if self.diffusion:
-            context = getattr(self.model.config.text, "max_position_embeddings", None)
+        context = self.context
         asked = req.token_limit
         if context is not None and prompt_tokens >= context:
             param = "messages" if isinstance(req, ChatRequest) else "prompt"
@@ -162,37 +217,34 @@ class Server:
         return asked
 
     def _process_media(self, media: Media) -> tuple[list, list, list]:
-        """Images, audio and videos as the towers read them (DiffusionGemma processes its images
-        itself); runs in a worker thread."""
+        """Images, audio and videos decoded and processed as the towers read them, one item at a
+        time (its decoded form is dropped once processed); runs in a worker thread. The parts'
+        kinds were checked against the model's towers before they were read."""
         model = self.model
-        if media.images and not model.supports_images:
-            raise APIError(400, f"messages: {self.settings.model_id} has no vision tower; it cannot read images", "messages")
-        try:
-            images = model.process_images(media.images) if media.images and not self.diffusion else media.images
-        except ValueError as err:
-            raise APIError(400, f"messages: an image could not be processed: {err}", "messages") from None
-        audio = self._decoded(media.audio, "audio") if media.audio else []
-        videos = self._decoded(media.videos, "video") if media.videos else []
+        images = []
+        for image in media.images:
+            try:
+                images.extend(model.process_images([open_image(image.data, image.where)]))
+            except ValueError as err:
+                raise APIError(400, f"{image.where}: the image could not be processed: {err}", image.where) from None
+        audio = []
+        for clip, where in media.audio:
+            try:
+                audio.extend(model.process_audio([clip]))
+            except (ValueError, OSError) as err:
+                raise APIError(400, f"{where}: {err}", where) from None
+        videos = []
+        if media.videos:
+            with tempfile.TemporaryDirectory(prefix="zoo-serve-") as folder:  # the video decoder reads files
+                for index, (data, where) in enumerate(media.videos):
+                    path = Path(folder) / f"video{index}.bin"
+                    path.write_bytes(data)
+                    try:
+                        videos.extend(model.process_videos([str(path)]))
+                    except (ValueError, OSError) as err:
+                        raise APIError(400, f"{where}: {err}".replace(repr(str(path)), "the video").replace(str(path), "the video"), where) from None
+                    path.unlink()
         return images, audio, videos
-
-    def _decoded(self, items: list, kind: str) -> list:
-        """Audio clips or videos processed from their bytes (the decoders read files, so each goes
-        through a temporary file)."""
-        if self.diffusion:
-            raise APIError(400, f"messages: DiffusionGemma takes no {kind} here", "messages")
-        out = []
-        with tempfile.TemporaryDirectory(prefix="zoo-serve-") as folder:
-            for index, item in enumerate(items):
-                data, where = (item[0], item[2]) if kind == "audio" else item
-                suffix = f".{item[1]}" if kind == "audio" else ".bin"
-                path = Path(folder) / f"{kind}{index}{suffix}"
-                path.write_bytes(data)
-                try:
-                    processed = self.model.process_audio([str(path)]) if kind == "audio" else self.model.process_videos([str(path)])
-                except (ValueError, OSError) as err:
-                    raise APIError(400, f"{where}: {err}".replace(str(path), f"the {kind}"), where) from None
-                out.extend(processed)
-        return out
 
     # ------------------------------------------------------------------------------ running
     async def run(self, prepared: Prepared, canvas: bool = False) -> "Run":
@@ -285,7 +337,7 @@ async def read_json(request: Request, limit: int):
         chunks.append(chunk)
     body = b"".join(chunks)
     try:
-        return json.loads(body)
+        return await anyio.to_thread.run_sync(json.loads, body)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise APIError(400, f"the request body is not valid JSON: {err}") from None
 
@@ -311,7 +363,7 @@ def make_app(model, engine: Engine, settings: ServerSettings) -> Starlette:
 
     async def chat(request: Request) -> Response:
         try:
-            req = parse(ChatRequest, await read_json(request, settings.max_body_bytes))
+            req = await anyio.to_thread.run_sync(parse, ChatRequest, await read_json(request, settings.max_body_bytes))
             check_model(req.model)
             if req.canvas_events and not req.stream:
                 raise APIError(400, "canvas_events: the canvas is streamed; it needs stream: true", "canvas_events")
@@ -322,7 +374,7 @@ def make_app(model, engine: Engine, settings: ServerSettings) -> Starlette:
 
     async def completions(request: Request) -> Response:
         try:
-            req = parse(CompletionRequest, await read_json(request, settings.max_body_bytes))
+            req = await anyio.to_thread.run_sync(parse, CompletionRequest, await read_json(request, settings.max_body_bytes))
             check_model(req.model)
             run = await server.run(await server.prepare_completion(req))
         except APIError as err:

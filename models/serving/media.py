@@ -4,8 +4,14 @@ An ``image_url`` (or ``video_url``) is a ``data:`` URL, a local path (``file://`
 server was started to allow (``--allowed-media-dir``: every path is resolved, symlinks included,
 and must lie inside one of those folders), or an ``http(s)`` URL when the server allows network
 fetches (``--allow-network-media``; off by default, so a request never makes the server reach
-out). ``input_audio`` carries base64 data. Any other source, a file that is missing, and bytes
-that are not an image are a 400 naming the part (``messages[i].content[j]``).
+out). ``input_audio`` carries base64 data in one of ``AUDIO_FORMATS`` (the schema refuses any
+other), decoded with exactly that format's demuxer. Any other source, a file that is missing, and
+bytes that are not an image are a 400 naming the part (``messages[i].content[j]``).
+
+Nothing is decoded while a request's media are read: an image's size comes from its header and is
+held to Pillow's decompression-bomb limit (``PIL.Image.MAX_IMAGE_PIXELS``, as for image files), and
+the request's parts are held to ``MediaPolicy``'s count and byte budget (encoded bytes, plus each
+image's decoded pixels at the 4 bytes Pillow stores an RGB pixel in). The server decodes only then.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ import binascii
 import io
 import urllib.parse
 import urllib.request
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 from PIL import Image, UnidentifiedImageError
 
+from models.processing.audio import AudioBytes
 from models.serving.schemas import APIError
 
 
@@ -30,8 +38,10 @@ class MediaPolicy:
 
     allowed_dirs: tuple[Path, ...] = ()
     allow_network: bool = False
-    max_bytes: int = 20 * 2**20
+    max_bytes: int = 20 * 2**20  # per part
     network_timeout: float = 10.0
+    max_parts: int = 32  # media parts in one request
+    max_request_bytes: int = 512 * 2**20  # a request's media: encoded bytes plus decoded image pixels
     _resolved: tuple[Path, ...] = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -100,34 +110,92 @@ def decode_base64(payload: str, where: str, max_bytes: int) -> bytes:
         raise APIError(400, f"{where}: the base64 payload does not decode", where) from None
 
 
-def open_image(data: bytes, where: str) -> Image.Image:
-    """The decoded image (fully loaded, so a truncated file fails here); a 400 when it is not one."""
+def _opened(data: bytes, where: str, load: bool) -> Image.Image:
+    """The image of ``data``, its header read (and its pixels too with ``load``); a 400 when it is
+    not one or when its size is over Pillow's limit (which Pillow itself only warns about up to twice it)."""
     try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-    except (UnidentifiedImageError, OSError, Image.DecompressionBombError, SyntaxError, ValueError) as err:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            if load:
+                image.load()
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as err:
+        raise APIError(
+            400, f"{where}: the image is over Pillow's decompression-bomb limit of {Image.MAX_IMAGE_PIXELS} pixels "
+            f"(PIL.Image.MAX_IMAGE_PIXELS, as for image files): {err}", where,
+        ) from None  # fmt: skip
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
         raise APIError(400, f"{where}: not a readable image ({err})", where) from None
     return image
 
 
+def open_image(data: bytes, where: str) -> Image.Image:
+    """The decoded image (fully loaded, so a truncated file fails here); a 400 when it is not one."""
+    return _opened(data, where, load=True)
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """An image part as read, not decoded: its bytes, its part and its size from the header."""
+
+    data: bytes
+    where: str
+    width: int
+    height: int
+
+    @property
+    def decoded_bytes(self) -> int:
+        return self.width * self.height * 4  # the RGB image the processor converts it to: Pillow stores 4 bytes a pixel
+
+
 @dataclass
 class Media:
-    """A message list's media, in order of appearance (as the chat template places their placeholders)."""
+    """A message list's media as read, in order of appearance (as the chat template places their
+    placeholders): ``EncodedImage`` s, ``(AudioBytes, part)`` clips and ``(bytes, part)`` videos."""
 
-    images: list = field(default_factory=list)  # PIL images
-    audio: list = field(default_factory=list)  # decoded clips (bytes-like inputs the audio processor reads)
+    images: list = field(default_factory=list)
+    audio: list = field(default_factory=list)
     videos: list = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.images or self.audio or self.videos)
 
 
+MEDIA_PARTS = ("image_url", "input_audio", "video_url")
+
+
+def media_counts(messages: Sequence) -> dict[str, int]:
+    """How many parts of each media kind (``MEDIA_PARTS``) the messages hold; nothing is read."""
+    counts = dict.fromkeys(MEDIA_PARTS, 0)
+    for message in messages:
+        for part in message.content if isinstance(message.content, list) else ():
+            if part.type in counts:
+                counts[part.type] += 1
+    return counts
+
+
 def template_messages(messages: Sequence, policy: MediaPolicy) -> tuple[list[dict], Media]:
     """The messages as the chat template reads them (media parts as ``{"type": "image"}`` etc.,
-    tool-call arguments as mappings) and the media they carry, read and opened."""
+    tool-call arguments as mappings) and the media they carry, read but not decoded: refused past
+    ``policy.max_parts`` before any is read, and past ``policy.max_request_bytes`` as soon as the
+    part that passes it is read."""
     import json
 
+    count = sum(media_counts(messages).values())
+    if count > policy.max_parts:
+        raise APIError(400, f"messages: {count} media parts; a request may carry at most {policy.max_parts}", "messages")
     media = Media()
+    used = 0
+
+    def spend(amount: int, where: str) -> None:
+        nonlocal used
+        used += amount
+        if used > policy.max_request_bytes:
+            raise APIError(
+                400, f"{where}: the request's media pass {policy.max_request_bytes} bytes (encoded bytes, plus 4 bytes a "
+                f"pixel for each decoded image)", where,
+            )  # fmt: skip
+
     out = []
     for i, message in enumerate(messages):
         entry: dict = {"role": message.role}
@@ -138,13 +206,21 @@ def template_messages(messages: Sequence, policy: MediaPolicy) -> tuple[list[dic
                 if part.type == "text":
                     parts.append({"type": "text", "text": part.text})
                 elif part.type == "image_url":
-                    media.images.append(open_image(policy.read(part.image_url.url, where), where))
+                    data = policy.read(part.image_url.url, where)
+                    with _opened(data, where, load=False) as header:
+                        image = EncodedImage(data, where, *header.size)
+                    spend(len(data) + image.decoded_bytes, where)
+                    media.images.append(image)
                     parts.append({"type": "image"})
                 elif part.type == "input_audio":
-                    media.audio.append((decode_base64(part.input_audio.data, where, policy.max_bytes), part.input_audio.format, where))
+                    data = decode_base64(part.input_audio.data, where, policy.max_bytes)
+                    spend(len(data), where)
+                    media.audio.append((AudioBytes(data, part.input_audio.format, f"<{part.input_audio.format} data>"), where))
                     parts.append({"type": "audio"})
                 else:
-                    media.videos.append((policy.read(part.video_url.url, where), where))
+                    data = policy.read(part.video_url.url, where)
+                    spend(len(data), where)
+                    media.videos.append((data, where))
                     parts.append({"type": "video"})
             entry["content"] = parts
         else:

@@ -13,9 +13,9 @@ into an OpenAI ``tool_calls`` entry (arguments as a JSON string), emitted whole 
 marker arrives. A body that does not parse, or one cut off by ``max_tokens``, is returned in
 ``content`` as the model wrote it, so nothing the model said is dropped.
 
-Stop strings (the API's ``stop``) end the answer at their first occurrence in ``content`` (the
-completions endpoint: in the text); text that might be the start of one is held back until it is
-known not to be.
+Stop strings (the API's ``stop``) end the answer at the first one completed in ``content`` (the
+completions endpoint: in the text), matched in linear time; text that might be the start of one is
+held back until it is known not to be.
 """
 
 from __future__ import annotations
@@ -74,10 +74,17 @@ class Markers:
 
 
 class StopStrings:
-    """Cuts a text stream at the first of ``stops``; holds back a tail that could start one."""
+    """Cuts a text stream at the first of ``stops`` to be completed; holds back a tail that could start one.
+
+    Each stop string is matched by a Knuth-Morris-Pratt automaton fed one character at a time, so
+    the work is linear in the text and the stops' lengths however they overlap (testing every
+    prefix of a stop against the held-back tail was quadratic in the stop's length, per chunk).
+    The held-back tail is the longest partial match, never longer than the longest stop."""
 
     def __init__(self, stops: Sequence[str] = ()):
         self.stops = [s for s in stops if s]
+        self.fallback = [_failure_table(s) for s in self.stops]
+        self.matched = [0] * len(self.stops)  # characters of each stop matched by the text's end
         self.pending = ""
         self.stopped = False
 
@@ -86,11 +93,19 @@ class StopStrings:
         if self.stopped or not self.stops:
             return "" if self.stopped else text
         self.pending += text
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            out, self.pending, self.stopped = self.pending[:cut], "", True
-            return out
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        start = len(self.pending) - len(text)
+        for position in range(start, len(self.pending)):
+            char = self.pending[position]
+            for i, stop in enumerate(self.stops):
+                k = self.matched[i]
+                while k and stop[k] != char:
+                    k = self.fallback[i][k - 1]
+                k = k + 1 if stop[k] == char else 0
+                if k == len(stop):
+                    out, self.pending, self.stopped = self.pending[: position + 1 - k], "", True
+                    return out
+                self.matched[i] = k
+        hold = max(self.matched)
         out = self.pending[: len(self.pending) - hold]
         self.pending = self.pending[len(out) :]
         return out
@@ -98,6 +113,18 @@ class StopStrings:
     def flush(self) -> str:
         out, self.pending = ("" if self.stopped else self.pending), ""
         return out
+
+
+def _failure_table(stop: str) -> list[int]:
+    """KMP's table: for each prefix of ``stop``, the length of its longest proper border."""
+    table, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        table[i] = k
+    return table
 
 
 class _Segment:

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from models.processing.audio import AUDIO_FORMATS
+
+MAX_STOPS = 4  # the API's limit
+MAX_STOP_CHARS = 1000  # characters in one stop string
 
 
 class Strict(BaseModel):
@@ -38,7 +43,7 @@ class ImagePart(Strict):
 
 class AudioData(Strict):
     data: str  # base64
-    format: str  # "wav", "mp3", ...: what the decoder is told
+    format: Literal[tuple(AUDIO_FORMATS)]  # "wav", "mp3", ...: the one demuxer the bytes are read with
 
 
 class AudioPart(Strict):
@@ -133,12 +138,21 @@ class Sampling(Strict):
     logprobs: Literal[False] | None = None
     logit_bias: dict[str, float] | None = None
 
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounds(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"takes at most {MAX_STOPS} sequences, got {len(stops)}")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string may hold at most {MAX_STOP_CHARS} characters, got one of {longest}")
+        return stop
+
     @model_validator(mode="after")
     def _checks(self) -> "Sampling":
         if self.logit_bias:
             raise ValueError("logit_bias is not supported (leave it out or send {})")
-        if isinstance(self.stop, list) and len(self.stop) > 4:
-            raise ValueError(f"stop takes at most 4 sequences, got {len(self.stop)}")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
         return self
@@ -235,11 +249,16 @@ def validation_error(err: ValidationError) -> APIError:
             faults.append(f"missing field {where!r}")
         else:
             value = item.get("input")
-            shown = "" if isinstance(value, (dict, list)) else f" (got {value!r})"
+            shown = "" if isinstance(value, (dict, list)) else f" (got {_shortened(repr(value))})"
             faults.append(f"{where or 'body'}: {item['msg'].removeprefix('Value error, ')}{shown}")
         params.append(where)
     unique = list(dict.fromkeys(faults))
     return APIError(400, "; ".join(unique), params[0] if params else None)
+
+
+def _shortened(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was: an error never echoes a megabyte back."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def parse(model: type[Strict], body: Any) -> Strict:
