@@ -16,7 +16,7 @@ Tests change a switch with ``with switches.override(GEMMA_ZOO_COMPILE="0"): ...`
 restored on exit), or set the environment and call ``reload()``. ``get(name, environ)`` parses a
 given mapping without touching the cache (e.g. a child process's environment).
 
-This module imports only the standard library and nothing of the zoo: ``zoo_blas`` reads it
+This module imports only the standard library and nothing of the zoo: ``zoo_cpu.blas`` reads it
 before MLX is loaded, and every package can import it.
 """
 
