@@ -1,0 +1,128 @@
+"""The accelerator plan on a GPU in one command: MLX's CUDA build in a fresh environment, the
+accelerator-plan parity subset, and our speed against mlx-lm and mlx-vlm on the same device.
+
+    python -m benchmarks.accelerator_check --venv /tmp/zoo-cuda [--wheels DIR]   # on a CUDA machine
+    python -m benchmarks.accelerator_check --cpu                                 # here: MLX's CPU build
+
+Steps, each a row of the table printed at the end (and its own output below it):
+
+1. The environment (not with ``--cpu``): a new virtual environment at ``--venv`` with the project
+   and its test extra installed, then MLX's CPU build swapped for ``mlx[cuda]`` of the same MLX
+   version (README, "Devices"); ``--wheels DIR`` installs from a folder of wheels only, for a
+   machine without a package index. Every later step runs in that environment.
+2. Parity under ``GEMMA_ZOO_PLAN=accelerator``: Gemma 3, Gemma 4 text, vision, multimodal,
+   DiffusionGemma and the cache equalities against transformers (``PARITY``); passed/failed counts.
+3. Speed, each benchmark in its own processes with the accelerator plan: the real Gemma 3 270M
+   against mlx-lm (``benchmarks.speed``), a random E2B-shaped Gemma 4 against mlx-lm
+   (``benchmarks.gemma4_text_vs_mlx_lm``) and with an image against mlx-vlm
+   (``benchmarks.gemma4_vision_vs_mlx_vlm``), DiffusionGemma against mlx-vlm
+   (``benchmarks.diffusion_gemma``). A peer that is not installed is reported by the benchmark.
+
+``--cpu`` runs the same steps in this environment on MLX's CPU device with small sizes, so the
+script is known to run end to end where no GPU is lent; its numbers say nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PARITY = [
+    "tests/test_gemma3_text_parity.py", "tests/test_gemma4_text_parity.py", "tests/test_gemma4_vision_parity.py",
+    "tests/test_gemma4_multimodal.py", "tests/test_diffusion_parity.py", "tests/test_gemma4_cache_consistency.py",
+    "tests/test_cache_reads.py",
+]  # fmt: skip
+# (name, module, arguments at full size, arguments for --cpu)
+SPEED = [
+    ("Gemma 3 270M vs mlx-lm", "benchmarks.speed",
+     ["--models", "gemma3", "--skip", "torch,llama.cpp,ours 8-bit,ours 4-bit,mlx-lm + BLAS"],
+     ["--models", "gemma3", "--skip", "torch,llama.cpp,ours 8-bit,ours 4-bit,mlx-lm + BLAS", "--prompt", "64", "--gen", "8", "--runs", "1"]),
+    ("E2B-shaped Gemma 4 vs mlx-lm", "benchmarks.gemma4_text_vs_mlx_lm", [],
+     ["--prompt", "64", "--gen", "8", "--runs", "1", "--rounds", "1"]),
+    ("E2B-shaped Gemma 4 + image vs mlx-vlm", "benchmarks.gemma4_vision_vs_mlx_vlm", [],
+     ["--gen", "8", "--runs", "1", "--max-soft-tokens", "70"]),
+    ("DiffusionGemma vs mlx-vlm", "benchmarks.diffusion_gemma", [],
+     ["--prompt", "64", "--blocks", "1", "--steps", "2", "--runs", "1"]),
+]  # fmt: skip
+
+
+def run(command: list[str], env: dict, timeout: int) -> tuple[int, str, float]:
+    """``(exit code, stdout + stderr, seconds)`` of ``command`` in the checkout."""
+    start = time.perf_counter()
+    try:
+        out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        return out.returncode, out.stdout + out.stderr, time.perf_counter() - start
+    except subprocess.TimeoutExpired as err:
+        text = (err.stdout or b"").decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
+        return 124, text + f"\n(timed out after {timeout} s)", time.perf_counter() - start
+
+
+def make_environment(venv: Path, wheels: Path | None) -> tuple[Path, list[str]]:
+    """A fresh virtual environment with the project and MLX's CUDA build: ``(its python, notes)``."""
+    run([sys.executable, "-m", "venv", str(venv)], dict(os.environ), 600)
+    python = venv / "bin" / "python"
+    offline = ["--no-index", "--find-links", str(wheels)] if wheels else []
+    notes = []
+    steps = [
+        [str(python), "-m", "pip", "install", *offline, "-e", ".[test]"],
+        [str(python), "-m", "pip", "uninstall", "-y", "mlx-cpu"],
+    ]
+    for step in steps:
+        code, text, _ = run(step, dict(os.environ), 3000)
+        if code != 0:
+            raise SystemExit(f"environment: {' '.join(step[2:5])} failed:\n{text[-3000:]}")
+    version = subprocess.run([str(python), "-c", "import importlib.metadata as m; print(m.version('mlx'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    code, text, _ = run([str(python), "-m", "pip", "install", *offline, f"mlx[cuda]=={version}"], dict(os.environ), 3000)
+    if code != 0:
+        raise SystemExit(f"environment: mlx[cuda]=={version} failed to install:\n{text[-3000:]}")
+    probe = "import zoo_cpu, mlx.core as mx; print(mx.default_device(), mx.cuda.is_available())"
+    notes.append(subprocess.run([str(python), "-c", probe], cwd=ROOT, capture_output=True, text=True).stdout.strip())
+    return python, notes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--venv", type=Path, help="make a fresh environment with MLX's CUDA build here")
+    where.add_argument("--cpu", action="store_true", help="this environment, MLX's CPU device, small sizes")
+    parser.add_argument("--wheels", type=Path, help="install from this folder of wheels only (no package index)")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds each step may take")
+    args = parser.parse_args()
+
+    rows, outputs = [], []
+    if args.cpu:
+        python, notes = Path(sys.executable), ["MLX's CPU device (--cpu): a check that the script runs, not a GPU number"]
+    else:
+        python, notes = make_environment(args.venv, args.wheels)
+    env = {**os.environ, "GEMMA_ZOO_PLAN": "accelerator"}
+    rows.append(("environment", "; ".join(notes), ""))
+
+    code, text, seconds = run([str(python), "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *PARITY],
+                              env, args.timeout)  # fmt: skip
+    counts = ", ".join(re.findall(r"\d+ (?:passed|failed|errors?|skipped)", text)) or f"exit {code}"
+    rows.append(("parity, accelerator plan", counts, f"{seconds:.0f} s"))
+    outputs.append(("parity, accelerator plan", text[-3000:]))
+
+    for name, module, full, small in SPEED:
+        code, text, seconds = run([str(python), "-m", module, *(small if args.cpu else full)], env, args.timeout)
+        rows.append((name, "ok" if code == 0 else f"failed (exit {code})", f"{seconds:.0f} s"))
+        outputs.append((name, text[-6000:]))
+
+    print("| step | result | time |\n|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    for name, text in outputs:
+        print(f"\n## {name}\n\n{text.strip()}")
+    if any(r[1].startswith("failed") or "failed" in r[1] for r in rows[1:]):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
