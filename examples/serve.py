@@ -7,8 +7,8 @@ GET /v1/models, GET /health, GET /metrics. Requests are batched continuously (--
 at once, --max-queue waiting; past that a 429 with Retry-After). Media parts: data: URLs always;
 local files only under --allowed-media-dir; http(s) only with --allow-network-media. Thinking is
 off unless a request asks for it. --api-key KEY requires a Bearer key (all but /health); only
-loopback Host names (and --allowed-host ones) are answered; POST bodies must be JSON. Sampling defaults follow mlx-lm's server (greedy unless a request
-or --temp says otherwise). Needs the server extra: pip install -e ".[server]". docs/server.md.
+loopback Host names (and --allowed-host ones) are answered; POST bodies must be JSON. Sampling
+defaults follow mlx-lm's server (greedy unless a request or --temp says otherwise). Needs the server extra: pip install -e ".[server]". docs/server.md.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--allowed-host", action="append", default=[], metavar="NAME[:PORT]",
                    help="a Host header name to answer besides 127.0.0.1, localhost, [::1] and --host (repeatable); "
                         "requests naming any other host are refused (DNS rebinding)")  # fmt: skip
+    p.add_argument("--allow-control-tokens", action="store_true",
+                   help="let control tokens spelled in message text (<|turn>, <|tool_response>, ...) act as such; by "
+                        "default they are tokenized as plain text, so a message cannot forge a turn of another role")  # fmt: skip
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     add_generation_args(p)
     return p.parse_args(argv)
@@ -104,7 +107,8 @@ def main(argv=None) -> int:
                         prefill_step_size=args.prefill_step_size, prefix_store=store)  # fmt: skip
         model.max_soft_tokens = args.max_soft_tokens
         settings = ServerSettings(args.model_id or args.model, args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p,
-                                  args.seed, media, api_key=args.api_key, allowed_hosts=tuple(args.allowed_host))  # fmt: skip
+                                  args.seed, media, api_key=args.api_key, allowed_hosts=tuple(args.allowed_host),
+                                  allow_control_tokens=args.allow_control_tokens)  # fmt: skip
         app = make_app(model, engine, settings)
     except ValueError as err:
         print(f"error: {flag_error(err) if isinstance(err, GenerationOptionError) and err.argument in FLAGS else err}", file=sys.stderr)

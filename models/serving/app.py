@@ -35,6 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from models.generation.chat import plain_transcript
+from models.generation.chat_template import render_ids
 from models.generation.generate import GenerationOptionError, SamplingOptions
 from models.generation.batch import BatchRequest
 from models.serving.engine import DiffusionRequest, Engine, Event, QueueFull
@@ -59,6 +60,7 @@ class ServerSettings:
     max_body_bytes: int = 64 << 20  # a request body past this is a 413 (media parts are base64 in it)
     api_key: str | None = None  # Bearer key every route but /health needs (models.serving.guard)
     allowed_hosts: tuple[str, ...] = ()  # Host names served besides the loopback ones
+    allow_control_tokens: bool = False  # True: control tokens spelled in message text are parsed as such
 
 
 class Prepared:
@@ -79,8 +81,9 @@ class Server:
 
     # ------------------------------------------------------------------------------ prompts
     def render(self, messages: list[dict], tools: list[dict] | None, thinking: bool) -> list[int]:
-        """The conversation's ids through the model's chat template (a model without one continues
-        the plain transcript, as ``ChatSession`` does)."""
+        """The conversation's ids through the model's chat template, control tokens spelled in message
+        text kept as text unless ``allow_control_tokens`` (``render_ids``); a model without a template
+        continues the plain transcript, as ``ChatSession`` does."""
         tokenizer = self.model.tokenizer
         if not (getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None)):
             if tools:
@@ -92,10 +95,9 @@ class Server:
             return ids
         extra = {"tools": tools} if tools else {}
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=thinking, **extra)
+            return render_ids(tokenizer, messages, literal=not self.settings.allow_control_tokens, enable_thinking=thinking, **extra)
         except Exception as err:  # jinja2's TemplateError and what the template raises itself
             raise APIError(400, f"messages: the chat template refused them: {err}", "messages") from None
-        return list(tokenizer.encode(text, add_special_tokens=False))
 
     async def prepare_chat(self, req: ChatRequest) -> Prepared:
         tools = None

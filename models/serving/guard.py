@@ -18,22 +18,19 @@ integers longer than ``MAX_INT_DIGITS`` digits are 400s naming the bound (``json
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from typing import Iterable
 
-import numpy as np
 from starlette.responses import JSONResponse
 
 from models.serving.schemas import APIError
+from weights.json_depth import nesting_depth
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key (a liveness probe)
 MAX_DEPTH = 64  # arrays and objects inside each other; a tool's JSON schema needs a dozen
 MAX_INT_DIGITS = 40  # 2**128 has 39 digits; every integer the API takes is far smaller
 
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 def split_host(value: str) -> tuple[str, str | None]:
@@ -106,24 +103,9 @@ def _bounded_int(text: str) -> int:
     return int(text)
 
 
-def nesting_depth(body: bytes) -> int:
-    """How deep arrays and objects nest in the JSON text ``body`` (string contents skipped), in
-    chunks so that a 64 MiB body of brackets costs megabytes, not gigabytes."""
-    brackets = _STRING.sub(b'""', body).translate(None, _NOT_BRACKETS)
-    if len(brackets) <= MAX_DEPTH:
-        return len(brackets)  # an upper bound, which is all a caller comparing with MAX_DEPTH needs
-    codes = np.frombuffer(brackets, dtype=np.uint8)
-    deepest = level = 0
-    for start in range(0, len(codes), 1 << 20):
-        chunk = codes[start : start + (1 << 20)]
-        levels = level + np.cumsum(np.where((chunk == ord("[")) | (chunk == ord("{")), 1, -1), dtype=np.int64)
-        deepest, level = max(deepest, int(levels.max())), int(levels[-1])
-    return deepest
-
-
 def loads(body: bytes):
     """``body`` parsed as JSON, or an ``APIError`` (400) naming what is wrong with it."""
-    depth = nesting_depth(body)
+    depth = nesting_depth(body, MAX_DEPTH)
     if depth > MAX_DEPTH:
         raise APIError(400, f"the request body nests arrays and objects {depth} levels deep; at most {MAX_DEPTH}")
     try:
