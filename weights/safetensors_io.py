@@ -106,6 +106,12 @@ def checkpoint_files(folder: Path) -> tuple[dict[str, Path], dict[str, str]]:
     return files, expected
 
 
+def checkpoint_shapes(folder: str | os.PathLike) -> dict[str, list[int]]:
+    """Every tensor's shape as the checkpoint's headers give it (no data is read)."""
+    files, _ = checkpoint_files(Path(folder))
+    return {key: entry[1] for path in files.values() for key, entry in tensor_entries(path)[1].items()}
+
+
 def check_safetensors_file(path: str | os.PathLike) -> list[str]:
     """Check a safetensors file's header and length; return its tensor names (``tensor_entries``)."""
     return list(tensor_entries(path)[1])
