@@ -21,6 +21,12 @@ import weakref
 from typing import Any, Sequence
 
 _CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+class ChatTemplateError(ValueError):
+    """The chat template refused the conversation: its own ``raise_exception`` (roles that do not
+    alternate, a role it does not know) or any other error while it ran."""
+
 TEXT_ROLES = ("system", "developer", "user", "tool")  # every role but the assistant's
 
 
@@ -42,7 +48,8 @@ def render_ids(tokenizer, messages: Sequence[dict], *, literal: bool = True, cha
     """The ids of ``messages`` through the chat template (``chat_template`` over the tokenizer's own;
     ``options`` go to ``apply_chat_template``: ``enable_thinking``, ``tools``), ending with the
     model's turn opening. With ``literal`` (the default) control tokens spelled inside message text
-    are encoded as plain text (see the module docstring)."""
+    are encoded as plain text (see the module docstring). ``ChatTemplateError`` when the template
+    refuses the messages."""
     extra = {"chat_template": chat_template} if chat_template is not None else {}
     controls = control_tokens(tokenizer, chat_template) if literal else {}
     marker = f"zq{secrets.token_hex(6)}x"  # letters and digits: no template filter (trim, tojson) changes them
@@ -58,12 +65,15 @@ def render_ids(tokenizer, messages: Sequence[dict], *, literal: bool = True, cha
             return pattern.sub(one, text)
 
         messages = [_with_text(m, hide) if m.get("role") in TEXT_ROLES else m for m in messages]
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **extra, **options)
+    try:
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **extra, **options)
+    except Exception as err:  # jinja2's TemplateError and whatever the template's own code raises
+        raise ChatTemplateError(f"the chat template refused the conversation: {type(err).__name__}: {err}") from None
     if not spelled:
         return list(tokenizer.encode(text, add_special_tokens=False))
     pieces = re.split(f"{marker}(\\d+){marker}", text)
     if len(pieces) != 2 * len(spelled) + 1:
-        raise ValueError(f"the chat template wrote {(len(pieces) - 1) // 2} of the {len(spelled)} control-token spellings in "
+        raise ChatTemplateError(f"the chat template wrote {(len(pieces) - 1) // 2} of the {len(spelled)} control-token spellings in "
                          "the messages' text; it changes message text, so it cannot be rendered literally")  # fmt: skip
     ids: list[int] = []
     for index, piece in enumerate(pieces):

@@ -96,8 +96,8 @@ class Server:
         extra = {"tools": tools} if tools else {}
         try:
             return render_ids(tokenizer, messages, literal=not self.settings.allow_control_tokens, enable_thinking=thinking, **extra)
-        except Exception as err:  # jinja2's TemplateError and what the template raises itself
-            raise APIError(400, f"messages: the chat template refused them: {err}", "messages") from None
+        except ValueError as err:  # ChatTemplateError, or text the tokenizer cannot write literally
+            raise APIError(400, f"messages: {err}", "messages") from None
 
     async def prepare_chat(self, req: ChatRequest) -> Prepared:
         tools = None
