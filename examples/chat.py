@@ -11,9 +11,10 @@ be used is refused by name and the chat goes on as it was); /quit (or Ctrl-D) le
 model refuses (past its context) is not kept, and the chat goes on. Flags follow mlx-lm's spelling
 where they overlap; bad values and an unwritable --transcript are refused before the model loads.
 
-Across machines (docs/distributed.md): ``mlx.launch --hosts h1,h2 --backend ring --python python3 -m
-examples.chat --model ... --parallel tensor|pipeline`` splits the model over the ranks; rank 0 chats,
-the others follow its turns.
+Across machines (docs/distributed.md): ``python -m models.parallel.launch --hosts h1,h2 --backend ring
+--python python3 -m examples.chat --model ... --parallel tensor|pipeline`` (mlx.launch's arguments;
+its exit status is non-zero when a rank fails) splits the model over the ranks; rank 0 chats, the
+others follow its turns.
 """
 
 from __future__ import annotations
@@ -188,6 +189,9 @@ def check_parallel_flags(args: argparse.Namespace) -> str | None:
     for flag in ("draft_model", "prompt_cache"):
         if getattr(args, flag, None):
             return f"--{flag.replace('_', '-')} does not work with --parallel (each rank holds only part of the model)"
+    if getattr(args, "prompt", None) == "-":
+        return ("--prompt - does not work with --parallel: mlx.launch never closes the ranks' standard input, so "
+                "reading it to its end waits for ever; pass the text itself, e.g. --prompt \"$(cat FILE)\"")  # fmt: skip
     return None
 
 
@@ -432,10 +436,11 @@ class Ranks:
         self.group = parallel.init()
         if self.group.size() < 2:
             raise parallel.ParallelSetupError(
-                f"--parallel {args.parallel} needs two or more ranks; start it with mlx.launch, e.g. "
-                "mlx.launch --hosts h1,h2 --backend ring --python python3 -m examples.chat --parallel tensor ..."
+                f"--parallel {args.parallel} needs two or more ranks; start it with mlx.launch, e.g. python -m "
+                "models.parallel.launch --hosts h1,h2 --backend ring --python python3 -m examples.chat --parallel tensor ..."
             )
         self.rank, self.lead = self.group.rank(), None
+        parallel.stop_on_sigterm(self.group)  # mlx.launch's SIGTERM after another rank ended: a RankLostError
         self.watchdog = parallel.Watchdog(self.group, args.rank_timeout)
         options = {name: getattr(args, name, None) for name in ("dtype", "q_bits", "q_group_size")}
         args.sharding = parallel.sharding_for(args.parallel, self.group, options)
@@ -466,13 +471,14 @@ def in_parallel(args: argparse.Namespace, run) -> int:
             code = run(args, ranks)
             if ranks.lead is not None:
                 ranks.lead.close()
-        return code
     except parallel.ParallelSetupError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        code = 2
     except (parallel.RankLostError, RanksDisagreeError) as err:
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
-        return parallel.EXIT_RANK_LOST
+        code = parallel.EXIT_RANK_LOST
+    parallel.report_exit(code)  # read by python -m models.parallel.launch
+    return code
 
 
 def conversation_file(session: ChatSession, action: str, path: str) -> bool:

@@ -71,6 +71,14 @@ def test_media_paths_that_are_not_files_are_refused_before_loading(tmp_path, cap
         assert err.startswith(f"error: {flag} {path} is a") and "not a regular file" in err and err.count("\n") == 1, err
 
 
+def test_prompt_from_stdin_is_refused_by_name_in_a_split_run(capsys):
+    """Under mlx.launch the ranks' stdin is never closed: ``--prompt -`` waited for ever."""
+    for main, flags in ((chat.main, []), (image_to_text.main, ["--image", "a.png"])):
+        assert main(["--model", NOT_A_MODEL, "--parallel", "tensor", "--prompt", "-", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --prompt - does not work with --parallel: mlx.launch never closes") and err.count("\n") == 1
+
+
 def test_the_writability_probe_leaves_nothing_behind(tmp_path):
     from examples.chat import check_writable
 
