@@ -8,7 +8,8 @@ at once, --max-queue waiting; past that a 429 with Retry-After). Media parts: da
 local files only under --allowed-media-dir; http(s) only with --allow-network-media. Thinking is
 off unless a request asks for it. --api-key KEY requires a Bearer key (all but /health); only
 loopback Host names (and --allowed-host ones) are answered; POST bodies must be JSON. Sampling
-defaults follow mlx-lm's server (greedy unless a request or --temp says otherwise). Needs the server extra: pip install -e ".[server]". docs/server.md.
+defaults follow mlx-lm's server (greedy unless a request or --temp says otherwise). Needs the
+server extra: pip install -e ".[server]". docs/server.md.
 """
 
 from __future__ import annotations

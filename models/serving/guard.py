@@ -32,7 +32,6 @@ MAX_DEPTH = 64  # arrays and objects inside each other; a tool's JSON schema nee
 MAX_INT_DIGITS = 40  # 2**128 has 39 digits; every integer the API takes is far smaller
 
 
-
 def split_host(value: str) -> tuple[str, str | None]:
     """``(name, port or None)`` of a ``Host`` header or an ``--allowed-host`` value: ``[::1]:8080``
     gives ``("::1", "8080")``; names are lower-cased, a trailing dot dropped. ``ValueError`` when it
@@ -93,7 +92,7 @@ class Guard:
         return None
 
     def allowed(self) -> set[str]:
-        return {f"[{n}]" if ":" in n else n if p is None else f"{n}:{p}" for n, p in self.hosts}
+        return {(f"[{n}]" if ":" in n else n) + ("" if p is None else f":{p}") for n, p in self.hosts}
 
 
 def _bounded_int(text: str) -> int:
