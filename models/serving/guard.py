@@ -92,6 +92,7 @@ class Guard:
         return None
 
     def allowed(self) -> set[str]:
+        """The allowed hosts as a Host header spells them, for the refusal's message."""
         return {(f"[{n}]" if ":" in n else n) + ("" if p is None else f":{p}") for n, p in self.hosts}
 
 
