@@ -16,6 +16,7 @@ reported nothing were killed or crashed); each rank that failed is named on stde
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     reports: dict[int, int] = {}
     size = 0
+    # Ctrl-C reaches the launcher and the ranks as it would without this wrapper, which keeps relaying
+    # (a Python handler, unlike SIG_IGN, is not inherited by the launcher).
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
     with subprocess.Popen(command, stderr=subprocess.PIPE) as process:
         for raw in process.stderr:
             report = REPORT_LINE.match(raw.decode(errors="replace").rstrip("\r\n"))
