@@ -71,6 +71,21 @@ def test_media_paths_that_are_not_files_are_refused_before_loading(tmp_path, cap
         assert err.startswith(f"error: {flag} {path} is a") and "not a regular file" in err and err.count("\n") == 1, err
 
 
+def test_a_document_or_canvas_image_that_is_a_fifo_is_refused(tmp_path, capsys):
+    import os
+
+    from examples import cache_prompt, diffusion_canvas
+    from tests.test_weights_io import finishes
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    out = str(tmp_path / "cache.safetensors")
+    assert finishes(lambda: cache_prompt.main(["--model", NOT_A_MODEL, "--file", str(fifo), "--out", out])) == 2
+    assert capsys.readouterr().err == f"error: --file {fifo} is a FIFO (named pipe), not a regular file; refusing to read it\n"
+    assert finishes(lambda: diffusion_canvas.main(["--model", NOT_A_MODEL, "--image", str(fifo)])) == 2
+    assert capsys.readouterr().err == f"error: --image {fifo} is a FIFO (named pipe), not a regular file; refusing to read it\n"
+
+
 def test_prompt_from_stdin_is_refused_by_name_in_a_split_run(capsys):
     """Under mlx.launch the ranks' stdin is never closed: ``--prompt -`` waited for ever."""
     for main, flags in ((chat.main, []), (image_to_text.main, ["--image", "a.png"])):
