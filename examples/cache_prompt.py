@@ -23,6 +23,7 @@ from examples.chat import add_generation_args, check_args, check_writable, load_
 from models.generation.chat import common_prefix
 from models.generation.generate import prefill
 from models.generation.prompt_cache import save_session
+from weights.resolve import regular_file
 
 PROBES = ("A", "B")  # two first messages that differ from their first character
 
@@ -44,7 +45,7 @@ def read_document(path: str) -> str:
     if path == "-":
         return sys.stdin.read()
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return regular_file(path, f"--file {path}").read_text(encoding="utf-8")  # a pipe goes through '-'
     except (OSError, UnicodeDecodeError) as err:
         raise ValueError(f"--file {path}: cannot read it as UTF-8 text ({getattr(err, 'strerror', None) or err})") from None
 

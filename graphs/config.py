@@ -18,12 +18,18 @@ class ConfigError(ValueError):
     """A ``config.json`` value the graph cannot be built from (the message names the key and the value)."""
 
 
+# MLX's array dimensions are 32-bit: a size at or past this overflows (Python's bare OverflowError).
+MAX_SIZE = 2**31
+
+
 @dataclass(frozen=True)
 class Kind:
-    """What a field may hold: ``expected`` is written into the error, ``accepts`` decides."""
+    """What a field may hold: ``expected`` is written into the error, ``accepts`` decides; an int at
+    or past ``limit`` is refused with its own message."""
 
     expected: str
     accepts: Callable[[Any], bool]
+    limit: int | None = None
 
 
 def _is_int(value: Any) -> bool:
@@ -34,9 +40,9 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-POSITIVE_INT = Kind("a positive int", lambda v: _is_int(v) and v > 0)
-NON_NEGATIVE_INT = Kind("an int >= 0", lambda v: _is_int(v) and v >= 0)
-TOKEN_ID = Kind("a token id (an int >= 0)", NON_NEGATIVE_INT.accepts)
+POSITIVE_INT = Kind("a positive int", lambda v: _is_int(v) and v > 0, MAX_SIZE)
+NON_NEGATIVE_INT = Kind("an int >= 0", lambda v: _is_int(v) and v >= 0, MAX_SIZE)
+TOKEN_ID = Kind("a token id (an int >= 0)", NON_NEGATIVE_INT.accepts, MAX_SIZE)
 POSITIVE_FLOAT = Kind("a positive finite number", lambda v: _is_number(v) and v > 0)
 BOOL = Kind("true or false", lambda v: isinstance(v, bool))
 TEXT = Kind("a string", lambda v: isinstance(v, str))
@@ -44,7 +50,7 @@ TEXT = Kind("a string", lambda v: isinstance(v, str))
 
 def optional(kind: Kind) -> Kind:
     """``kind`` or null."""
-    return Kind(f"{kind.expected} or null", lambda v: v is None or kind.accepts(v))
+    return Kind(f"{kind.expected} or null", lambda v: v is None or kind.accepts(v), kind.limit)
 
 
 def one_of(*values: Any) -> Kind:
@@ -55,6 +61,8 @@ def check_value(value: Any, kind: Kind, key: str, owner: str) -> Any:
     """``value`` when ``kind`` accepts it; else a ``ConfigError`` naming ``key`` and what was expected."""
     if not kind.accepts(value):
         raise ConfigError(f"{owner}: {key} must be {kind.expected}, got {value!r} ({type(value).__name__})")
+    if kind.limit is not None and _is_int(value) and value >= kind.limit:
+        raise ConfigError(f"{owner}: {key} is {value}; it must be below 2**31 (MLX's array dimensions are 32-bit)")
     return value
 
 

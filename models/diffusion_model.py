@@ -18,6 +18,7 @@ from models.generation.diffusion_options import DiffusionGenerationConfig
 from models.generation.diffusion import DEFAULT_PREFILL_STEP, CommittedBlock, DenoiseStep, DiffusionResult, Finished, stream_diffusion
 from models.processing.image_processor import DEFAULT_MAX_SOFT_TOKENS, Gemma4ImageProcessor, ImageInput, ProcessedImage
 from graphs.gemma4_multimodal_config import ImageTokenIds
+from models.generation.chat_template import render_ids
 from models.generation.prompts import Prompt, expand_image_placeholders
 
 class DiffusionModel:
@@ -54,12 +55,12 @@ class DiffusionModel:
         return list(self.tokenizer.encode(text))
 
     def chat_ids(self, text: str, images: int = 0) -> list[int]:
-        """One user turn through the tokenizer's chat template, with ``images`` image placeholders before the text."""
+        """One user turn through the tokenizer's chat template, with ``images`` image placeholders before
+        the text; control tokens spelled in ``text`` stay text (``render_ids``)."""
         if self.tokenizer is None:
             raise no_tokenizer_error(self.path, "a chat turn")
         content = [*({"type": "image"} for _ in range(images)), {"type": "text", "text": text}]
-        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
-        return self.encode(rendered)
+        return render_ids(self.tokenizer, [{"role": "user", "content": content}])
 
     def prompt(
         self, prompt: str | Sequence[int], images: Sequence[ImageInput | ProcessedImage] = (), max_soft_tokens: int | None = None

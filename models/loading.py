@@ -12,13 +12,16 @@ transformers ask on stdin whether to run that file. Its vocabulary must fit the 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from mlx_lm.tokenizer_utils import load as load_mlx_lm_tokenizer
 
+from graphs.config import ConfigError
 from weights import load_safetensors, read_config, resolve_model_path
+from weights.safetensors_io import checkpoint_shapes
 from weights.resolve import folder_file
 from weights.quantize import QuantizationPolicy, QuantizationReport, plan_load, quantize_model
 
@@ -107,6 +110,45 @@ def vocab_size_of(config) -> int:
     return getattr(config, "text", config).vocab_size
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_FINAL_NORM = re.compile(r"(?:^|\.)norm\.weight$")
+
+
+def check_sizes(config, shapes: Mapping[str, Sequence[int]], source: str) -> None:
+    """Refuse a config that declares more than the checkpoint's tensors (``shapes``, from the
+    headers) hold: more layers, a larger vocabulary or hidden size, more attention heads. Run before the graph is built, which allocates what the config says: a million layers
+    ran the process out of memory (``std::bad_alloc``) before the missing weights were noticed.
+    Raises ``ConfigError`` naming the key, its value and what the checkpoint holds."""
+    parts = (("text", getattr(config, "text", config)), ("vision", getattr(config, "vision", None)),
+             ("audio", getattr(config, "audio", None)))  # fmt: skip
+    for part, sizes in parts:
+        if sizes is None:
+            continue
+        if part == "text":
+            mine = {k: v for k, v in shapes.items() if "vision" not in k and "audio" not in k}
+        else:
+            mine = {k: v for k, v in shapes.items() if part in k}
+        layers = {int(m.group(1)) for m in map(_LAYER.search, mine) if m}
+        held = {"num_hidden_layers": (max(layers) + 1 if layers else None, "layers")}  # key: (limit, what it counts)
+        if part == "text":
+            held["vocab_size"] = (_largest(mine, lambda k: k.endswith("embed_tokens.weight")), "embedding rows")
+            final_norm = _largest(mine, lambda k: _FINAL_NORM.search(k) is not None and "layers." not in k)
+            held["hidden_size"] = (final_norm, "values in the final norm")
+            head_dim, rows = getattr(sizes, "head_dim", None), _largest(mine, lambda k: k.endswith("q_proj.weight"))
+            held["num_attention_heads"] = (None if rows is None or not head_dim else rows // head_dim,
+                                           f"heads of head_dim {head_dim} in their widest q_proj")  # fmt: skip
+        for key, (limit, what) in held.items():
+            value = getattr(sizes, key, None)
+            if limit is not None and isinstance(value, int) and value > limit:
+                raise ConfigError(f"{source}: {key} is {value}, but the checkpoint's {part} weights hold {limit} {what}")
+
+
+def _largest(shapes: Mapping[str, Sequence[int]], chosen) -> int | None:
+    """The largest first dimension among the tensors ``chosen`` picks by name, or None."""
+    rows = [shape[0] for key, shape in shapes.items() if chosen(key) and shape]
+    return max(rows) if rows else None
+
+
 def load_graph(
     folder: Path,
     dtype=AUTO,
@@ -126,6 +168,7 @@ def load_graph(
     quantization = plan_load(raw, weights, source, q_bits, q_group_size, q_policy)
     architecture = architecture_for(raw, source, weights.keys())
     config = architecture.parse_config(raw)
+    check_sizes(config, checkpoint_shapes(folder), source)
     graph = architecture.build_graph(config)
     if sharding is None:
         architecture.load_weights(graph, weights)

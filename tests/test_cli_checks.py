@@ -44,6 +44,56 @@ def test_an_unwritable_transcript_is_refused_before_the_chat(tmp_path, capsys):
     assert "--transcript" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--transcript", "--prompt-cache", "--chat-template"])
+def test_a_fifo_or_device_path_is_refused_by_name(tmp_path, capsys, flag):
+    """Opening a FIFO blocks until its other end opens: the chat hung instead of starting."""
+    import os
+
+    from tests.test_weights_io import finishes
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    code = finishes(lambda: chat.main(["--model", NOT_A_MODEL, flag, str(fifo), "--prompt", "hi"]))
+    assert code == 2
+    out, err = capsys.readouterr()
+    assert f"error: {flag} {fifo} is a FIFO (named pipe), not a regular file" in err and err.count("\n") == 1, err
+
+
+def test_media_paths_that_are_not_files_are_refused_before_loading(tmp_path, capsys):
+    import os
+
+    from tests.test_weights_io import finishes
+
+    os.mkfifo(tmp_path / "pipe.png")
+    for flag, path in (("--image", tmp_path / "pipe.png"), ("--audio", "/dev/zero"), ("--video", tmp_path)):
+        assert finishes(lambda: image_to_text.main(["--model", NOT_A_MODEL, flag, str(path)])) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {flag} {path} is a") and "not a regular file" in err and err.count("\n") == 1, err
+
+
+def test_a_document_or_canvas_image_that_is_a_fifo_is_refused(tmp_path, capsys):
+    import os
+
+    from examples import cache_prompt, diffusion_canvas
+    from tests.test_weights_io import finishes
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    out = str(tmp_path / "cache.safetensors")
+    assert finishes(lambda: cache_prompt.main(["--model", NOT_A_MODEL, "--file", str(fifo), "--out", out])) == 2
+    assert capsys.readouterr().err == f"error: --file {fifo} is a FIFO (named pipe), not a regular file; refusing to read it\n"
+    assert finishes(lambda: diffusion_canvas.main(["--model", NOT_A_MODEL, "--image", str(fifo)])) == 2
+    assert capsys.readouterr().err == f"error: --image {fifo} is a FIFO (named pipe), not a regular file; refusing to read it\n"
+
+
+def test_prompt_from_stdin_is_refused_by_name_in_a_split_run(capsys):
+    """Under mlx.launch the ranks' stdin is never closed: ``--prompt -`` waited for ever."""
+    for main, flags in ((chat.main, []), (image_to_text.main, ["--image", "a.png"])):
+        assert main(["--model", NOT_A_MODEL, "--parallel", "tensor", "--prompt", "-", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --prompt - does not work with --parallel: mlx.launch never closes") and err.count("\n") == 1
+
+
 def test_the_writability_probe_leaves_nothing_behind(tmp_path):
     from examples.chat import check_writable
 

@@ -207,6 +207,75 @@ def test_the_reported_cases_name_key_value_and_expectation(parse, base, key, val
         parse(with_value(base(), (key,), value))
 
 
+@pytest.mark.parametrize("key", ["hidden_size", "vocab_size", "num_hidden_layers", "head_dim", "sliding_window"])
+@pytest.mark.parametrize("parse, base", [(Gemma4TextConfig.from_dict, gemma4_text), (Gemma3TextConfig.from_dict, gemma3_text)])
+def test_sizes_past_32_bits_are_named(parse, base, key):
+    """``hidden_size: 2**40`` was a bare ``OverflowError`` from MLX when the graph was built."""
+    with pytest.raises(ConfigError, match=f"{key} is {2**40}; it must be below 2\\*\\*31"):
+        parse(with_value(base(), (key,), 2**40))
+
+
+# ------------------------------------------------------------------------------ sizes against the checkpoint
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    pytest.importorskip("torch")
+    from tests import hf_tiny
+
+    folder = tmp_path_factory.mktemp("sizes") / "t1"
+    hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS["T1"], folder)
+    return folder
+
+
+def with_config(source, target, **changes):
+    """A copy of the checkpoint folder ``source`` whose config.json has ``changes`` (None deletes a key)."""
+    import json
+    import shutil
+
+    shutil.copytree(source, target)
+    raw = json.loads((target / "config.json").read_text())
+    raw.update(changes)
+    (target / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+    return target
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(vocab_size=4096), "vocab_size is 4096, but the checkpoint's text weights hold 256 embedding rows"),
+    (dict(hidden_size=128), "hidden_size is 128, but the checkpoint's text weights hold 64 values in the final norm"),
+    (dict(num_attention_heads=8), "num_attention_heads is 8, but the checkpoint's text weights hold 4 heads of head_dim 32"),
+    (dict(num_hidden_layers=6, layer_types=None), "num_hidden_layers is 6, but the checkpoint's text weights hold 4 layers"),
+])  # fmt: skip
+def test_sizes_past_what_the_weights_hold_are_named_before_the_graph_is_built(tiny_folder, tmp_path, monkeypatch, changes, words):
+    import graphs.gemma4_text
+    import models
+
+    built = []
+    monkeypatch.setattr(graphs.gemma4_text, "Gemma4TextModel", lambda config: built.append(config))
+    with pytest.raises(ConfigError, match=words) as info:
+        models.load(str(with_config(tiny_folder, tmp_path / "edited", **changes)))
+    assert "config.json" in str(info.value) and not built
+
+
+def test_a_million_layers_is_refused_not_allocated(tmp_path):
+    """The reported config: the graph's million layers ran the process out of memory (``std::bad_alloc``
+    in ``nn.Linear``) before the missing weights were noticed. In a subprocess capped at 6 GiB, so
+    that the unfixed loader fails the test instead of the machine."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    from tests.test_ids_and_tokenizers import save_tiny_gemma3
+
+    gemma3 = save_tiny_gemma3(tmp_path / "gemma3", tokenizer=False)
+    folder = with_config(gemma3, tmp_path / "million", num_hidden_layers=1_000_000, layer_types=None)
+    script = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30)); import sys, models\n"
+              "try:\n    models.load(sys.argv[1])\nexcept ValueError as err:\n    print(err); sys.exit(3)\n")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script, str(folder)], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "num_hidden_layers is 1000000, but the checkpoint's text weights hold 2 layers" in done.stdout
+
+
 def test_sections_and_fields_helpers():
     assert text_section({"model_type": "gemma4_text", "a": 1}, "gemma4", "gemma4_text", "X") == {"model_type": "gemma4_text", "a": 1}
     assert text_section({"model_type": "gemma4"}, "gemma4", "gemma4_text", "X") == {}

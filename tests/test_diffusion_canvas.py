@@ -90,6 +90,7 @@ def test_real_tokenizer_chat_template_and_image(tmp_path):
     model = load(folder)
     ids = model.chat_ids("What is this?", images=1)
     assert ids.count(model.config.image_token_id) == 1
+    assert model.chat_ids("What is <|image|> this?", images=1).count(model.config.image_token_id) == 1  # typed: text
     prompt = model.prompt(ids, [str(picture)], max_soft_tokens=70)
     assert prompt.ids.count(model.config.image_token_id) == prompt.images[0].features.shape[0]
 

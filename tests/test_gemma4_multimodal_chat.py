@@ -171,12 +171,17 @@ def test_a_replaced_image_with_the_same_token_count_is_fed_again(model, photos):
     assert float(mx.max(mx.abs(cached - fresh))) < 1e-4
 
 
-def test_a_typed_placeholder_without_an_image_is_refused(model):
+def test_a_typed_placeholder_is_text_unless_control_tokens_are_allowed(model):
+    """``<|image|>`` typed in a message is its spelling, not an image slot (models.generation.chat_template);
+    with ``allow_control_tokens`` it is the placeholder, and one without an image is refused."""
     session = ChatSession(model, max_tokens=4)
+    assert isinstance("".join(session.send("Look: <|image|>")), str)
+    assert 258880 not in session.fed and session.messages[0]["content"] == "Look: <|image|>"
+    strict = ChatSession(model, max_tokens=4, allow_control_tokens=True)
     with pytest.raises(ValueError, match=r"1 image placeholder \(token 258880\) but 0 images were given"):
-        "".join(session.send("Look: <|image|>"))
-    assert session.messages == [] and session.fed == []
-    assert isinstance("".join(session.send("Hello")), str)
+        "".join(strict.send("Look: <|image|>"))
+    assert strict.messages == [] and strict.fed == []
+    assert isinstance("".join(strict.send("Hello")), str)
 
 
 def test_images_need_a_vision_model(model, photos, tmp_path):

@@ -367,6 +367,23 @@ def test_the_chat_example_says_once_that_it_completes_text(folder, model, tmp_pa
     assert "--chat-template" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, words", [
+    ("{{ raise_exception('Conversation roles must alternate user/assistant') }}",
+     "TemplateError: Conversation roles must alternate user/assistant"),
+    ("{% if %}", "TemplateSyntaxError: Expected an expression"),
+    ("{{ messages[0]['content'].nope() }}", "UndefinedError"),
+])  # fmt: skip
+def test_a_template_that_refuses_the_conversation_is_one_line(folder, tmp_path, capsys, text, words):
+    """Was a 57-line traceback; now one line naming the template's complaint, exit code 2."""
+    from examples import chat
+
+    template = tmp_path / "strict.jinja"
+    template.write_text(text)
+    assert chat.main(["--model", str(folder), "--prompt", "ab", "--chat-template", str(template)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("[error: the chat template refused the conversation: ") and words in err and err.count("\n") == 1, err
+
+
 @pytest.mark.parametrize("name", ["tokenizer.json", "generation_config.json", "tokenizer_config.json"])
 def test_side_files_linking_out_of_the_folder_are_refused(folder, tmp_path, name):
     """A tokenizer or generation file that is a symlink out of the model folder is never read."""

@@ -306,3 +306,23 @@ def test_save_refuses_a_cache_that_is_not_the_models(t2, chat_model, tmp_path):
     with pytest.raises(ValueError, match="positions for 3 tokens"):
         save_prompt_cache(tmp_path / "x", t2, filled(t2), IDS[:3])
     assert not (tmp_path / "x").exists()
+
+
+def test_a_fifo_or_folder_is_refused_not_read_or_replaced(t2, tmp_path):
+    """Opening a FIFO waits for a writer for ever (the chat hung at start); saving over one replaced
+    it with our file. Both are refused by name, and the FIFO is left where it was."""
+    import os
+    import stat
+
+    from tests.test_weights_io import finishes
+    from weights.resolve import NotAFileError
+
+    fifo = tmp_path / "chat.safetensors"
+    os.mkfifo(fifo)
+    err = finishes(lambda: load_prompt_cache(fifo, t2))
+    assert isinstance(err, PromptCacheFormatError) and f"{fifo} is a FIFO (named pipe)" in str(err)
+    err = finishes(lambda: save_prompt_cache(fifo, t2, filled(t2), IDS))
+    assert isinstance(err, NotAFileError) and "refusing to replace it" in str(err)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    with pytest.raises(NotAFileError, match="is a directory"):
+        save_prompt_cache(tmp_path, t2, filled(t2), IDS)

@@ -326,3 +326,95 @@ def test_hub_cache_symlinks_into_blobs_are_followed(tmp_path):
         (snapshot / name).symlink_to(f"../../blobs/sha-{name}")
     assert read_config(snapshot) == {"model_type": "tiny"}
     assert_same(load_safetensors(snapshot)[0])
+
+
+# ----------------------------------------------------------------------------- hostile headers and paths
+def write_header(file, header: dict | bytes, data: bytes = b"") -> None:
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    file.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+F32_2 = {"dtype": "F32", "shape": [2]}
+
+
+@pytest.mark.parametrize("header, words", [
+    (b"[" * 100_000 + b"]" * 100_000, "nests 100000 levels deep"),
+    ({"a": {**F32_2, "data_offsets": [0.0, 8.0]}}, "two 'data_offsets' that are ints"),
+    ({"a": {**F32_2, "data_offsets": ["0", "8"]}}, "two 'data_offsets' that are ints"),
+    ({"a": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}}, "a 'shape' of ints"),
+    ({"a": {**F32_2, "data_offsets": [0, 8]}, "b": {**F32_2, "data_offsets": [4, 12]}}, "'b' (data bytes 4-12) overlaps tensor 'a'"),
+    ({"a": {**F32_2, "data_offsets": [0, 8]}, "b": {**F32_2, "data_offsets": [0, 8]}}, "overlaps tensor"),
+    ({"a": {**F32_2, "data_offsets": [8, 0]}}, "should take 8 bytes but its offsets span -8"),
+    (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, ' + b"9" * 5000 + b"]}}", "corrupt header"),
+])  # fmt: skip
+def test_hostile_headers_are_named_not_loaded(tmp_path, header, words):
+    """Before: the deep header was a RecursionError, float offsets were truncated to ints and
+    overlapping tensors loaded silently as views of the same bytes."""
+    folder = make_single(tmp_path / "ckpt")
+    write_header(folder / "model.safetensors", header, bytes(16))
+    with pytest.raises(CheckpointError, match=re.escape(words)) as info:
+        load_safetensors(folder)
+    assert "model.safetensors" in str(info.value)
+
+
+def test_a_deeply_nested_config_is_named(tmp_path):
+    folder = make_single(tmp_path / "ckpt")
+    (folder / "config.json").write_text('{"model_type": "tiny", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(ValueError, match=r"config\.json nests arrays and objects 100001 levels deep"):
+        read_config(folder)
+    (folder / "config.json").write_text('{"model_type": "tiny", "x": ' + "7" * 5000 + "}")
+    with pytest.raises(ValueError, match=r"config\.json: Exceeds the limit"):
+        read_config(folder)
+
+
+def finishes(call, seconds: float = 10.0):
+    """``call()``'s exception, or a failure when it has not returned within ``seconds`` (opening a
+    FIFO blocks until the other end opens; the thread is left blocked, as a daemon)."""
+    import threading
+
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(call())
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            outcome.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert outcome, f"still blocked after {seconds} s"
+    return outcome[0]
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_checkpoint_files_that_are_not_regular_files_are_refused_by_name(tmp_path, name, kind):
+    import os
+
+    from weights.resolve import NotAFileError
+
+    folder = make_single(tmp_path / "ckpt")
+    (folder / name).unlink()
+    os.mkfifo(folder / name) if kind == "fifo" else (folder / name).mkdir()
+    err = finishes(lambda: load_safetensors(folder) if name.endswith("safetensors") else read_config(folder))
+    assert isinstance(err, NotAFileError), err
+    assert f"{folder / name} is {'a FIFO' if kind == 'fifo' else 'a directory'}" in str(err)
+
+
+def test_a_shard_or_gguf_that_is_a_fifo_is_refused_by_name(tmp_path):
+    import os
+
+    from weights.gguf_import import read_gguf
+    from weights.resolve import NotAFileError
+
+    folder, weight_map = make_sharded(tmp_path / "ckpt")
+    shard = folder / "model-00002-of-00002.safetensors"
+    shard.unlink()
+    os.mkfifo(shard)
+    err = finishes(lambda: load_safetensors(folder))
+    assert isinstance(err, NotAFileError) and "model-00002-of-00002.safetensors" in str(err) and "FIFO" in str(err)
+    os.mkfifo(tmp_path / "model.gguf")
+    err = finishes(lambda: read_gguf(tmp_path / "model.gguf"))
+    assert isinstance(err, NotAFileError) and "GGUF file" in str(err)
+    assert isinstance(finishes(lambda: read_gguf("/dev/zero")), NotAFileError)

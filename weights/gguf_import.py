@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from . import gguf_gemma3
 from .gguf_packed import EXACT_TYPES, FLOAT_TYPES, GROUP, REQUANTIZED_BITS, pack_tensor
 from .gguf_tokenizer import gemma_tokenizer_from_gguf
-from .resolve import remove_stale_staging, staging_name
+from .resolve import regular_file, remove_stale_staging, staging_name
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 WEIGHTS_FILE = "model.safetensors"
@@ -57,7 +57,7 @@ def read_gguf(path: str | os.PathLike) -> tuple[GGUFReader, dict[str, Any]]:
     (gguf-py itself fails on those with a bare ``IndexError`` or ``ValueError``), including a
     file whose last tensor ends past the end of the file.
     """
-    path = Path(path)
+    path = regular_file(path, f"GGUF file {path}")
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     size = path.stat().st_size

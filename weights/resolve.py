@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
 from typing import Iterable
 
@@ -31,10 +32,14 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
+from .json_depth import nesting_depth
+
 # What inference needs from a repo: configs, weights, tokenizer (tokenizer.json and its configs are
 # *.json; tokenizer.model is the SentencePiece fallback) and the chat template. Leaving out the rest
 # skips PyTorch *.bin duplicates, GGUF variants and images that some repos also carry.
 DEFAULT_ALLOW_PATTERNS = ("*.json", "*.safetensors", "tokenizer.model", "*.jinja")
+# config.json nests a few levels (text_config > rope_parameters > sliding_attention > ...).
+MAX_CONFIG_DEPTH = 32
 
 
 class ModelNotAvailableError(OSError):
@@ -45,13 +50,35 @@ class OutsideFolderError(ValueError):
     """A file a checkpoint folder names (config, index entry, side file) lies outside the folder."""
 
 
+class NotAFileError(ValueError):
+    """A path that must be a regular file is a directory, a FIFO, a device or a socket."""
+
+
+def regular_file(path: str | os.PathLike, what: str | None = None, doing: str = "read it") -> Path:
+    """``path`` when it is a regular file (symlinks followed) or does not exist (the reader then
+    says so). A directory, FIFO, device or socket raises ``NotAFileError`` naming ``what`` (default
+    the path) and what was refused (``doing``): opening a FIFO waits for a writer (or a reader) for
+    ever, and a device can be read without end."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return Path(path)
+    if stat.S_ISREG(mode):
+        return Path(path)
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))  # fmt: skip
+    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    raise NotAFileError(f"{what or path} is {kind}, not a regular file; refusing to {doing}")
+
+
 def folder_file(folder: str | os.PathLike, name: str, what: str | None = None) -> Path:
     """``folder / name``, checked to stay inside ``folder`` once symlinks are resolved.
 
     Refuses (``OutsideFolderError``, naming ``what``, default the path) an absolute ``name``, one
     with a ``..`` part, and a path whose resolved target lies outside the resolved folder, except a
     Hugging Face cache blob (``models--*/blobs/*``: Hub snapshots and older ``--local-dir``
-    downloads link there). The file need not exist; the returned path is the unresolved one.
+    downloads link there). The file need not exist, but one that does must be a regular file
+    (``regular_file``); the returned path is the unresolved one.
     """
     folder = Path(folder)
     what = what or str(folder / name)
@@ -65,7 +92,7 @@ def folder_file(folder: str | os.PathLike, name: str, what: str | None = None) -
         path = folder / name
         resolved, root = path.resolve(), folder.resolve()
         if resolved == root or root in resolved.parents or _hub_blob(resolved):
-            return path
+            return regular_file(path, what)
         why = f"resolves to {resolved} (a symlink out of the folder)"
     raise OutsideFolderError(
         f"{what} {why}; refusing to read it: a checkpoint's files must lie inside its folder {folder}."
@@ -155,12 +182,17 @@ def read_config(folder: str | os.PathLike) -> dict:
         text = file.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise FileNotFoundError(f"{file} not found: a checkpoint folder needs a config.json.") from None
+    depth = nesting_depth(text, MAX_CONFIG_DEPTH)
+    if depth > MAX_CONFIG_DEPTH:
+        raise ValueError(f"{file} nests arrays and objects {depth} levels deep; a config has at most {MAX_CONFIG_DEPTH}.")
     try:
         config = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"{file} is not valid JSON: {e}") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"{file} is not UTF-8 text (byte {e.start}).") from None
+    except ValueError as e:  # an integer past Python's 4300 digits
+        raise ValueError(f"{file}: {e}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{file} must hold a JSON object, found {type(config).__name__}.")
     return config

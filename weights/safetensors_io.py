@@ -22,13 +22,16 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .resolve import folder_file
+from .json_depth import nesting_depth
+from .resolve import folder_file, regular_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 # safetensors' own limit; a larger length means the first 8 bytes are not a header length at all.
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
+# {name: {"shape": [...]}}: no valid header nests deeper (Python's json would recurse without bound).
+_MAX_HEADER_DEPTH = 3
 
 _ITEM_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -87,9 +90,9 @@ def checkpoint_files(folder: Path) -> tuple[dict[str, Path], dict[str, str]]:
     """The checkpoint's safetensors files ``{file name: path}`` (each inside ``folder`` and present)
     and, for a sharded checkpoint, its index ``{tensor key: file name}`` ({} for a single file)."""
     index = folder / INDEX_FILE
-    if (folder / SINGLE_FILE).is_file():
+    if (folder / SINGLE_FILE).exists():  # a directory or FIFO of that name is refused by name (regular_file)
         return {SINGLE_FILE: folder_file(folder, SINGLE_FILE)}, {}
-    if not index.is_file():
+    if not index.exists():
         present = sorted(p.name for p in folder.glob("*.safetensors")) if folder.is_dir() else []
         raise FileNotFoundError(
             f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}"
@@ -101,6 +104,12 @@ def checkpoint_files(folder: Path) -> tuple[dict[str, Path], dict[str, str]]:
         if not path.is_file():
             raise FileNotFoundError(f"Shard {name} listed in {index} does not exist.")
     return files, expected
+
+
+def checkpoint_shapes(folder: str | os.PathLike) -> dict[str, list[int]]:
+    """Every tensor's shape as the checkpoint's headers give it (no data is read)."""
+    files, _ = checkpoint_files(Path(folder))
+    return {key: entry[1] for path in files.values() for key, entry in tensor_entries(path)[1].items()}
 
 
 def check_safetensors_file(path: str | os.PathLike) -> list[str]:
@@ -117,7 +126,7 @@ def tensor_entries(path: str | os.PathLike) -> tuple[int, dict[str, tuple[str, l
     data that ends before the header says it does. Until the header has parsed as a safetensors
     header, errors give only sizes and positions, never the file's bytes (it may be any file).
     """
-    path = Path(path)
+    path = regular_file(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
         if size < 8:
@@ -133,6 +142,12 @@ def tensor_entries(path: str | os.PathLike) -> tuple[int, dict[str, tuple[str, l
                 f"but the file has {size}."
             )
         raw = f.read(header_len)
+    depth = nesting_depth(raw, _MAX_HEADER_DEPTH)
+    if depth > _MAX_HEADER_DEPTH:
+        raise CheckpointError(
+            f"{path} has a corrupt header or is not a safetensors file (its JSON nests {depth} levels deep; "
+            f"a safetensors header has {_MAX_HEADER_DEPTH})."
+        )
     try:
         header = json.loads(raw)
     except UnicodeDecodeError as e:
@@ -143,6 +158,8 @@ def tensor_entries(path: str | os.PathLike) -> tuple[int, dict[str, tuple[str, l
         raise CheckpointError(
             f"{path} has a corrupt header or is not a safetensors file (not valid JSON: {e.msg} at byte {8 + e.pos})."
         ) from None
+    except ValueError as e:  # an integer past Python's 4300 digits
+        raise CheckpointError(f"{path} has a corrupt header ({e}).") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{path} has a corrupt header (a JSON {type(header).__name__}, not an object).")
 
@@ -153,15 +170,15 @@ def tensor_entries(path: str | os.PathLike) -> tuple[int, dict[str, tuple[str, l
             continue
         label = name if len(name) <= 200 else name[:200] + "..."
         try:
-            start, end = (int(x) for x in info["data_offsets"])
+            start, end = info["data_offsets"]
             shape, dtype = info["shape"], info["dtype"]
-            if not isinstance(dtype, str) or not all(isinstance(d, int) and d >= 0 for d in shape):
+            if not isinstance(dtype, str) or not isinstance(shape, list) or not all(_count(d) for d in (*shape, start, end)):
                 raise TypeError
             nbytes = math.prod(shape) * _ITEM_BYTES[dtype] if dtype in _ITEM_BYTES else end - start
         except (TypeError, KeyError, ValueError):
             raise CheckpointError(
-                f"{path} has a corrupt header entry for tensor {label!r} (it needs 'dtype', 'shape' and "
-                "two 'data_offsets')."
+                f"{path} has a corrupt header entry for tensor {label!r} (it needs a 'dtype', a 'shape' of "
+                "ints >= 0 and two 'data_offsets' that are ints >= 0)."
             ) from None
         stored = dtype
         if dtype not in _ITEM_BYTES:
@@ -177,7 +194,26 @@ def tensor_entries(path: str | os.PathLike) -> tuple[int, dict[str, tuple[str, l
                 f"{data_bytes} bytes of data (incomplete download?)."
             )
         entries[name] = (stored, list(shape), start, end)
+    check_layout(path, entries)
     return 8 + header_len, entries
+
+
+def _count(value) -> bool:
+    """An int >= 0 (JSON's ``1.0`` and ``true`` are not)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_layout(path: Path, entries: dict[str, tuple[str, list[int], int, int]]) -> None:
+    """Tensors' byte ranges must not overlap: two tensors sharing bytes would load as views of each
+    other's data (safetensors itself requires them in ascending order without gaps or overlaps)."""
+    previous, previous_end = None, 0
+    for name, (_, _, start, end) in sorted(entries.items(), key=lambda item: (item[1][2], item[1][3])):
+        if start < previous_end:
+            raise CheckpointError(
+                f"{path} has a corrupt header: tensor {name[:200]!r} (data bytes {start}-{end}) overlaps tensor "
+                f"{previous[:200]!r}, which ends at {previous_end}."
+            )
+        previous, previous_end = name, end
 
 
 def parse_dtype(dtype: str | mx.Dtype | None) -> mx.Dtype | None:

@@ -39,6 +39,7 @@ from models.generation.generate import (
     check_positive_int,
 )
 from models.checks import no_tokenizer_error
+from models.generation.chat_template import render_ids
 from models.generation.prompt_cache import caches_from_layer_states, layer_states
 from models.generation.prompts import ImageSpan, Prompt, expand_image_placeholders
 from models.model import Model
@@ -109,6 +110,7 @@ class ChatSession:
         chat_template: str | None = None,
         draft=None,
         num_draft_tokens: int = 4,
+        allow_control_tokens: bool = False,
     ):
         # Checked now, not at the first token or when the cache switches to quantized storage.
         check_positive_int("max_tokens", max_tokens)
@@ -121,6 +123,7 @@ class ChatSession:
         self.model = model
         self.draft, self.num_draft_tokens = draft, num_draft_tokens  # speculative decoding (models.generation.speculative)
         self.chat_template = chat_template  # a Jinja template over the tokenizer's own (see render)
+        self.allow_control_tokens = allow_control_tokens  # False: control tokens typed in messages stay text (render_ids)
         self.kv_quantization = kv_quantization
         self.enable_thinking = enable_thinking
         self.sampling = sampling
@@ -164,11 +167,8 @@ class ChatSession:
             ids = self.model.encode(plain_transcript(messages, self.model.path))
             bos = getattr(tokenizer, "bos_token_id", None)
             return ids if bos is None or ids[:1] == [bos] else [bos, *ids]
-        template = {} if self.chat_template is None else {"chat_template": self.chat_template}
-        text = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False, enable_thinking=self.enable_thinking, **template
-        )
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return render_ids(tokenizer, messages, literal=not self.allow_control_tokens, chat_template=self.chat_template,
+                          enable_thinking=self.enable_thinking)  # fmt: skip
 
     def render_prompt(
         self, messages: list[dict] | None = None, image_features: Sequence[mx.array] | None = None

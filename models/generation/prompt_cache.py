@@ -30,6 +30,7 @@ from mlx.utils import tree_flatten
 from cache import CacheSpec, SharedView, cache_from_state, check_caches
 from cache.spec import kind_family
 from weights import read_config
+from weights.resolve import regular_file
 from weights.safetensors_io import check_safetensors_file, checkpoint_files
 
 from models.checks import check_token_ids
@@ -238,7 +239,7 @@ def save_prompt_cache(
     }
     text = json.dumps(meta, sort_keys=True, default=str)  # a message's media item may name its source as a Path
     metadata = {"format": FORMAT, "format_version": str(FORMAT_VERSION), "meta": text, "meta_sha256": _sha256(text.encode())}
-    target = Path(path)
+    target = regular_file(path, f"prompt cache {path}", "replace it")  # a FIFO, device or folder is not ours to replace
     fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".safetensors", dir=target.parent or ".")
     os.close(fd)
     try:

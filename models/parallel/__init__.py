@@ -1,7 +1,8 @@
 """Running one model across several processes or machines on MLX's distributed runtime.
 
-``mlx.launch --hosts h1,h2 --backend ring --python python3 -m examples.chat --model ... --parallel
-tensor|pipeline`` starts one rank per host; each loads only its part of the checkpoint
+``python -m models.parallel.launch --hosts h1,h2 --backend ring --python python3 -m examples.chat
+--model ... --parallel tensor|pipeline`` (``mlx.launch`` with an exit status that says whether
+every rank succeeded: ``launch``) starts one rank per host; each loads only its part of the checkpoint
 (``models.load(..., sharding=sharding_for(...))``) and the graphs run unchanged, with the
 collectives put in from outside (``tensor``, ``pipeline``, ``modules``). Rank 0 talks to the user;
 the other ranks follow its chat (``session``). ``docs/distributed.md`` has the set-up and the numbers.
@@ -14,7 +15,8 @@ from typing import Any, Mapping
 import mlx.core as mx
 
 from models.parallel.runtime import (
-    DEFAULT_STEP_TIMEOUT, EXIT_RANK_LOST, ParallelSetupError, RankLostError, Watchdog, init, rank_errors,
+    DEFAULT_STEP_TIMEOUT, EXIT_RANK_LOST, ParallelSetupError, RankLostError, Watchdog, init, rank_errors, report_exit,
+    stop_on_sigterm,
 )  # fmt: skip
 from models.parallel.sharding import Sharding
 from models.parallel.tensor import EXPERT_MODES, TensorParallel
@@ -48,5 +50,7 @@ __all__ = [
     "Watchdog",
     "init",
     "rank_errors",
+    "report_exit",
     "sharding_for",
+    "stop_on_sigterm",
 ]

@@ -13,7 +13,12 @@ collective the graphs make is MLX's (``all_sum``, ``all_gather``, ``send``/``rec
   the pending collective (``RuntimeError: [ring] connection to a peer was lost``, about a second
   later); that becomes a ``RankLostError`` naming this rank. A rank that hangs without dying (a
   stopped process, a dead link) closes nothing, so each step that waits on the others is armed on
-  a watchdog that ends the process with the same named error once ``timeout`` seconds pass.
+  a watchdog that ends the process with the same named error once ``timeout`` seconds pass;
+- ``stop_on_sigterm`` and ``report_exit``: ``mlx.launch`` SIGTERMs the other ranks as soon as one
+  ends with an error, before they notice the loss themselves; the SIGTERM becomes the same
+  ``RankLostError`` line and status. Under ``python -m models.parallel.launch`` every rank's last
+  stderr line reports its exit status, which the launcher's own exit status does not
+  (``models.parallel.launch``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -49,6 +55,11 @@ class ParallelSetupError(RuntimeError):
 
 class RankLostError(RuntimeError):
     """Another rank died or stopped answering while this one waited on it."""
+
+
+# Set by ``models.parallel.launch`` for the ranks it starts: each reports its exit status on stderr.
+REPORT_ENV = "GEMMA_ZOO_RANK_REPORT"
+REPORT_LINE = re.compile(r"^gemma-zoo: rank (\d+) of (\d+) exited with status (-?\d+)$")
 
 
 def init(backend: str = "any") -> mx.distributed.Group:
@@ -154,6 +165,35 @@ def rank_errors(group: mx.distributed.Group):
         raise RankLostError(f"{describe(group)}: another rank is gone ({err}); stopping") from err
 
 
+def report_exit(code: int) -> None:
+    """Under ``models.parallel.launch`` (``REPORT_ENV`` set), this rank's last stderr line: its exit status."""
+    group = mx.distributed.init()
+    if os.environ.get(REPORT_ENV) and group.size() > 1:
+        sys.stderr.write(f"gemma-zoo: rank {group.rank()} of {group.size()} exited with status {code}\n")
+        sys.stderr.flush()
+
+
+def stop_on_sigterm(group: mx.distributed.Group) -> None:
+    """End this rank with a ``RankLostError`` line and ``EXIT_RANK_LOST`` on SIGTERM, which
+    ``mlx.launch`` sends the other ranks once one has ended with an error. Python runs signal
+    handlers only between bytecodes, and a rank blocked in a collective runs none, so the signal
+    is taken from ``signal.set_wakeup_fd`` by a thread instead. Call from the main thread."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)  # the thread below acts on it
+    signal.set_wakeup_fd(write)
+
+    def watch() -> None:
+        while signal.SIGTERM not in os.read(read, 64):
+            pass
+        sys.stderr.write(f"RankLostError: {describe(group)}: stopped by SIGTERM (mlx.launch sends it when another rank "
+                         "has ended); stopping\n")  # fmt: skip
+        report_exit(EXIT_RANK_LOST)
+        os._exit(EXIT_RANK_LOST)
+
+    threading.Thread(target=watch, name="gemma-zoo-sigterm", daemon=True).start()
+
+
 class Watchdog:
     """Ends this process (exit status ``EXIT_RANK_LOST``, a ``RankLostError`` line on stderr) when a
     step armed with ``arm`` has not been re-armed or ``disarm``-ed within ``timeout`` seconds.
@@ -199,4 +239,5 @@ class Watchdog:
                     f"during {what}; stopping\n"
                 )
                 sys.stderr.flush()
+                report_exit(EXIT_RANK_LOST)
                 os._exit(EXIT_RANK_LOST)

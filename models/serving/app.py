@@ -38,14 +38,17 @@ from pathlib import Path
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from models.generation.chat import plain_transcript
+from models.generation.chat_template import render_ids
 from models.generation.generate import GenerationOptionError, SamplingOptions
 from models.generation.batch import BatchRequest
 from models.serving.engine import DiffusionRequest, Engine, Event, QueueFull
+from models.serving.guard import Guard, loads
 from models.serving.media import Media, MediaPolicy, media_counts, open_image, template_messages
 from models.serving.output import Delta, Markers, OutputParser
 from models.serving.schemas import APIError, ChatRequest, CompletionRequest, parse
@@ -64,6 +67,9 @@ class ServerSettings:
     seed: int | None = None  # for requests that send none
     media: MediaPolicy = field(default_factory=MediaPolicy)
     max_body_bytes: int = 64 << 20  # a request body past this is a 413 (media parts are base64 in it)
+    api_key: str | None = None  # Bearer key every route but /health needs (models.serving.guard)
+    allowed_hosts: tuple[str, ...] = ()  # Host names served besides the loopback ones
+    allow_control_tokens: bool = False  # True: control tokens spelled in message text are parsed as such
 
 
 class Prepared:
@@ -103,8 +109,9 @@ class Server:
 
     # ------------------------------------------------------------------------------ prompts
     def render(self, messages: list[dict], tools: list[dict] | None, thinking: bool) -> list[int]:
-        """The conversation's ids through the model's chat template (a model without one continues
-        the plain transcript, as ``ChatSession`` does)."""
+        """The conversation's ids through the model's chat template, control tokens spelled in message
+        text kept as text unless ``allow_control_tokens`` (``render_ids``); a model without a template
+        continues the plain transcript, as ``ChatSession`` does."""
         tokenizer = self.model.tokenizer
         if not (getattr(tokenizer, "has_chat_template", False) or getattr(tokenizer, "chat_template", None)):
             if tools:
@@ -117,11 +124,12 @@ class Server:
             return self.model.encode(transcript)
         extra = {"tools": tools} if tools else {}
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=thinking, **extra)
-        except Exception as err:  # jinja2's TemplateError and what the template raises itself
-            raise APIError(400, f"messages: the chat template refused them: {err}", "messages") from None
-        self._check_chars(len(text), "messages")
-        return list(tokenizer.encode(text, add_special_tokens=False))
+            return render_ids(
+                tokenizer, messages, literal=not self.settings.allow_control_tokens, enable_thinking=thinking,
+                check_text=lambda text: self._check_chars(len(text), "messages"), **extra,
+            )  # fmt: skip
+        except ValueError as err:  # ChatTemplateError, or text the tokenizer cannot write literally
+            raise APIError(400, f"messages: {err}", "messages") from None
 
     def _check_chars(self, length: int, param: str) -> None:
         """Refuse, before tokenizing, a text too long for the context whatever its tokens."""
@@ -335,11 +343,7 @@ async def read_json(request: Request, limit: int):
         if size > limit:
             raise APIError(413, f"the request body is larger than {limit} bytes")
         chunks.append(chunk)
-    body = b"".join(chunks)
-    try:
-        return await anyio.to_thread.run_sync(json.loads, body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise APIError(400, f"the request body is not valid JSON: {err}") from None
+    return await anyio.to_thread.run_sync(loads, b"".join(chunks))
 
 
 async def until_disconnect(request: Request) -> None:
@@ -487,6 +491,11 @@ def make_app(model, engine: Engine, settings: ServerSettings) -> Starlette:
     async def http_error(request: Request, exc: HTTPException) -> Response:
         return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    async def internal_error(request: Request, exc: Exception) -> Response:  # a bug: still an OpenAI-shaped body
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "server_error"))
+
+    guard = Middleware(Guard, allowed_hosts=settings.allowed_hosts, api_key=settings.api_key)
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[guard],
+                    exception_handlers={HTTPException: http_error, Exception: internal_error})  # fmt: skip
     app.state.server = server
     return app
