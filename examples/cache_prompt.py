@@ -23,7 +23,7 @@ from examples.chat import add_generation_args, check_args, check_writable, load_
 from models.generation.chat import common_prefix
 from models.generation.generate import prefill
 from models.generation.prompt_cache import save_session
-from weights.resolve import regular_file
+from models.checks import regular_file
 
 PROBES = ("A", "B")  # two first messages that differ from their first character
 

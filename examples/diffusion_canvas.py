@@ -33,7 +33,7 @@ from models.diffusion_model import DiffusionModel
 from models.generation.generate import GenerationOptionError, KVQuantization
 from examples.chat import add_parallel_args, check_writable, flag_error, in_parallel
 from models.processing.image_processor import Gemma4ImageProcessor
-from weights.resolve import regular_file
+from models.checks import regular_file
 
 BRIGHT, DIM, BOLD, RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[1m", "\x1b[0m"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")

@@ -23,7 +23,7 @@ import sys
 
 from examples.chat import DEFAULT_MODEL, add_generation_args, add_parallel_args, answer, check_args, in_parallel, load_model, make_session
 from models.processing.image_processor import Gemma4ImageProcessor
-from weights.resolve import NotAFileError, regular_file
+from models.checks import NotAFileError, regular_file
 
 DEFAULT_PROMPT = "Describe this image."
 DEFAULT_PROMPT_SEVERAL = "Describe these images."

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from examples.chat import FLAGS, add_generation_args, check_args, flag_error, kv_quantization_from_args, load_model
 from models.generation.generate import GenerationOptionError, check_positive_int
+from zoo_cpu import switches
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,7 +36,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--allowed-media-dir", action="append", default=[], metavar="DIR",
                    help="local image/video paths in requests may point inside DIR (repeatable; default: none)")  # fmt: skip
     p.add_argument("--allow-network-media", action="store_true", help="fetch http(s) media URLs (default: refused)")
-    p.add_argument("--api-key", default=os.environ.get("GEMMA_ZOO_API_KEY"), metavar="KEY",
+    p.add_argument("--api-key", default=switches.value("GEMMA_ZOO_API_KEY"), metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every route but /health (default: $GEMMA_ZOO_API_KEY, "
                         "else no key)")  # fmt: skip
     p.add_argument("--allowed-host", action="append", default=[], metavar="NAME[:PORT]",

@@ -16,6 +16,10 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
+# Special files (FIFOs, devices, folders) refused by name wherever a path is read; the examples
+# take it from here (they import models, not weights).
+from weights.resolve import NotAFileError, regular_file  # noqa: F401
+
 # The files that make a folder's tokenizer; without one of them no tokenizer is loaded.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 

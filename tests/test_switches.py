@@ -30,11 +30,11 @@ def test_the_table_has_every_switch_once():
         "GEMMA_ZOO_BLAS", "GEMMA_ZOO_PLAN", "GEMMA_ZOO_FAST_MATH", "GEMMA_ZOO_PREFILL_KERNELS", "GEMMA_ZOO_DECODE_KERNELS",
         "GEMMA_ZOO_STREAMS", "GEMMA_ZOO_COMPILE", "GEMMA_ZOO_COMPILE_STEP",
         "GEMMA_ZOO_CPU_QUANT",
-        "GEMMA_ZOO_ASSETS",
+        "GEMMA_ZOO_ASSETS", "GEMMA_ZOO_API_KEY", "GEMMA_ZOO_RANK_REPORT",
     ]
     for name, s in zs.SWITCHES.items():
         assert s.name == name and s.meaning and "\n" not in s.meaning
-        assert s.kind in ("bool", "choice", "path")
+        assert s.kind in ("bool", "choice", "path", "text")
         assert s.parse(None) == s.default  # the default is a value the switch itself gives
         if s.kind == "choice":
             assert s.default in s.choices
@@ -43,7 +43,7 @@ def test_the_table_has_every_switch_once():
 def test_every_switch_the_project_names_is_in_the_table():
     """A new GEMMA_ZOO_* variable in the code or the docs must get a row (and so one parser)."""
     named = set()
-    folders = ("cache", "graphs", "models", "weights", "examples", "benchmarks", "tests", "docs")
+    folders = ("zoo_cpu", "cache", "graphs", "models", "weights", "examples", "benchmarks", "tests", "docs")
     paths = [*ROOT.glob("*.py"), *ROOT.glob("*.md"), *(p for f in folders for p in (ROOT / f).rglob("*") if p.suffix in (".py", ".md"))]
     for path in paths:
         if path.name == "test_switches.py":  # names made up to test the refusals
@@ -196,3 +196,11 @@ def test_the_docs_table_lists_every_switch():
     section = text.split("\n## Switches\n", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `(GEMMA_ZOO_[A-Z_]+)` \|", section, flags=re.M)
     assert rows == list(zs.SWITCHES)
+
+
+def test_a_secret_is_never_shown(monkeypatch):
+    monkeypatch.setenv("GEMMA_ZOO_API_KEY", "sk-do-not-print")
+    zs.reload()
+    assert zs.value("GEMMA_ZOO_API_KEY") == "sk-do-not-print"
+    line = next(line for line in zs.describe().splitlines() if line.startswith("GEMMA_ZOO_API_KEY"))
+    assert "sk-do-not-print" not in zs.describe() and "(set)" in line

@@ -38,7 +38,8 @@ class Switch:
 
     ``kind`` is ``"bool"`` (value: ``True``/``False``), ``"choice"`` (value: one of ``choices``,
     lower-case; ``aliases`` map other accepted spellings to a choice; ``paths`` also admits a path
-    to a file, kept as written) or ``"path"`` (value: the string as written, or ``None``).
+    to a file, kept as written), ``"path"`` or ``"text"`` (value: the string as written, or
+    ``None``). A ``secret`` value (a key) is never shown by ``describe()``.
     """
 
     name: str
@@ -48,6 +49,7 @@ class Switch:
     choices: tuple[str, ...] = ()
     aliases: Mapping[str, str] = field(default_factory=dict)
     paths: bool = False
+    secret: bool = False
 
     def allowed(self) -> str:
         """What the variable accepts, for messages and ``describe()``."""
@@ -55,6 +57,8 @@ class Switch:
             return "|".join(TRUE) + " or " + "|".join(FALSE)
         if self.kind == "path":
             return "a folder path"
+        if self.kind == "text":
+            return "any text"
         return "|".join(self.choices) + ("|PATH (a shared library)" if self.paths else "")
 
     def parse(self, raw: str | None) -> bool | str | None:
@@ -62,7 +66,7 @@ class Switch:
         text = (raw or "").strip()
         if not text:
             return self.default
-        if self.kind == "path":
+        if self.kind in ("path", "text"):
             return text
         key = text.lower()
         if self.kind == "bool":
@@ -141,6 +145,15 @@ SWITCHES: dict[str, Switch] = {
         Switch(
             "GEMMA_ZOO_ASSETS", "path", None,
             "folder for fetched assets (unset: .assets/ in a source checkout, else ~/.cache/gemma-mlx-zoo)",
+        ),
+        Switch(
+            "GEMMA_ZOO_API_KEY", "text", None,
+            "the key python -m examples.serve requires as 'Authorization: Bearer KEY' when --api-key is not given (unset: no key)",
+            secret=True,
+        ),
+        Switch(
+            "GEMMA_ZOO_RANK_REPORT", "bool", False,
+            "set by python -m models.parallel.launch for the ranks it starts: each ends with one stderr line giving its exit status",
         ),
     )
 }
@@ -233,7 +246,7 @@ def describe() -> str:
     for name, s in SWITCHES.items():
         try:
             v, src = _entry(name)
-            shown = f"{_show(v)} ({'set in the environment' if src == 'environment' else src})"
+            shown = f"{'(set)' if s.secret and v else _show(v)} ({'set in the environment' if src == 'environment' else src})"
         except ValueError:
             shown = f"INVALID {os.environ.get(name)!r} (use {s.allowed()})"
         lines.append(f"{name:<{width}} = {shown}: {s.meaning}")

@@ -39,6 +39,7 @@ import mlx.core as mx
 import numpy as np
 
 from weights.safetensors_io import checkpoint_files, tensor_entries
+from zoo_cpu import switches
 
 # The exit status of a rank that lost another rank (a sysexits-style "temporary failure").
 EXIT_RANK_LOST = 75
@@ -168,7 +169,7 @@ def rank_errors(group: mx.distributed.Group):
 def report_exit(code: int) -> None:
     """Under ``models.parallel.launch`` (``REPORT_ENV`` set), this rank's last stderr line: its exit status."""
     group = mx.distributed.init()
-    if os.environ.get(REPORT_ENV) and group.size() > 1:
+    if switches.enabled(REPORT_ENV) and group.size() > 1:
         sys.stderr.write(f"gemma-zoo: rank {group.rank()} of {group.size()} exited with status {code}\n")
         sys.stderr.flush()
 
