@@ -232,6 +232,9 @@ def speculative_tokens(
     """
     options = sampling or SamplingOptions()
     options.check()
+    if options.repetition_penalty != 1:  # acceptance compares the drafter's and target's plain distributions
+        raise GenerationOptionError("repetition_penalty", options.repetition_penalty,
+                                    "speculative decoding applies no repetition penalty; use 1 or no draft model")  # fmt: skip
     if options.seed is not None:
         mx.random.seed(options.seed)
     k_max = check_positive_int("num_draft_tokens", num_draft_tokens)
