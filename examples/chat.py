@@ -32,12 +32,12 @@ import models
 from models.generation.chat import ChatSession
 from models.generation.prompt_cache import load_session, save_session
 from models.generation.generate import (
+    CONFIG_KEYS,
     DEFAULT_PREFILL_STEP,
+    REPETITION_CONTEXT,
     GenerationOptionError,
     KVQuantization,
     SamplingOptions,
-    CONFIG_KEYS,
-    REPETITION_CONTEXT,
     check_positive_int,
 )
 from models.processing.image_processor import DEFAULT_MAX_SOFT_TOKENS, SUPPORTED_SOFT_TOKEN_BUDGETS
@@ -158,6 +158,10 @@ def describe_sampling(options: SamplingOptions, sources: dict[str, str]) -> str:
 
 def session_from_args(model, args: argparse.Namespace) -> ChatSession:
     sampling, sources = sampling_from_args(model, args)
+    if getattr(args, "drafter", None) is not None:
+        from models.generation.speculative import check_speculative_sampling
+
+        check_speculative_sampling(sampling)  # before the first turn, not in it
     if getattr(args, "verbose", False) and (getattr(args, "sharding", None) is None or args.sharding.rank == 0):
         print(f"[{describe_sampling(sampling, sources)}]", file=sys.stderr, flush=True)
     return ChatSession(

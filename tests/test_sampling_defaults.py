@@ -211,3 +211,14 @@ def test_the_server_is_greedy_where_the_checkpoint_does_not_sample(model, folder
     with_config(model, folder, config)
     with running_server(model) as url:
         assert complete(url, seed=1) == complete(url, seed=2) == model.generate(PROMPT, max_tokens=12, sampling=SamplingOptions())
+
+
+def test_a_repetition_penalty_with_a_draft_model_is_refused_before_the_first_turn(model, folder, capsys):
+    from examples.chat import main
+
+    with_config(model, folder, {**GREEDY, "repetition_penalty": 1.3})
+    assert main(["--model", str(folder), "--draft-model", str(folder), "--prompt", PROMPT]) == 2
+    err = capsys.readouterr().err
+    assert "--repetition-penalty 1.3: speculative decoding applies no repetition penalty" in err, err
+    assert main(["--model", str(folder), "--draft-model", str(folder), "--prompt", PROMPT, "--max-tokens", "4",
+                 "--repetition-penalty", "1"]) == 0  # fmt: skip
