@@ -10,6 +10,9 @@ the conversation (--prompt-cache FILE resumes one at start and saves it on exit;
 be used is refused by name and the chat goes on as it was); /quit (or Ctrl-D) leaves. A message the
 model refuses (past its context) is not kept, and the chat goes on. Flags follow mlx-lm's spelling
 where they overlap; bad values and an unwritable --transcript are refused before the model loads.
+Sampling flags left out come from the checkpoint's generation_config.json, as transformers reads
+it (--temp 0 is greedy; --ignore-checkpoint-sampling ignores the file); --verbose prints each
+value, where it came from and the seed, drawn when --seed is not given.
 
 Across machines (docs/distributed.md): ``python -m models.parallel.launch --hosts h1,h2 --backend ring
 --python python3 -m examples.chat --model ... --parallel tensor|pipeline`` (mlx.launch's arguments;
