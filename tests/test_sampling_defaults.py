@@ -126,6 +126,7 @@ def test_a_repetition_penalty_of_the_file_is_applied(model, folder):
     with_config(model, folder, {**GREEDY, "repetition_penalty": 3.0})
     penalized = model.generate(PROMPT, max_tokens=16, sampling=SamplingOptions(repetition_penalty=3.0))
     assert model.generate(PROMPT, max_tokens=16) == penalized
+    assert model.batch_generate([PROMPT, "Hello"], max_tokens=16)[0] == penalized  # a batch row penalizes alike
     assert model.generate(PROMPT, max_tokens=16, repetition_penalty=1.0) == model.generate(PROMPT, max_tokens=16, sampling=SamplingOptions())
 
 
