@@ -4,7 +4,7 @@ Where the caller gives no value, temperature, top-k, top-p, min-p and the repeti
 from the file as transformers reads it (``do_sample`` false or absent: greedy); an explicit value
 always wins; ``checkpoint_defaults=False`` / ``--ignore-checkpoint-sampling`` ignores the file.
 Each rule is checked for ``Model.generate``, the chat CLI and the server, on a tiny random Gemma 4
-with the real tokenizer whose ``generation_config.json`` each test rewrites.
+with the real tokenizer whose ``generation_config.json`` each test rewrites (those tests are marked slow).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from models.generation.generate import (  # noqa: E402
 )  # fmt: skip
 from tests.server_tiny import STOP_IDS, http, running_server, save_random_chat  # noqa: E402
 
-pytestmark = pytest.mark.slow
 
 SAMPLED = {"eos_token_id": STOP_IDS, "do_sample": True, "top_k": 64, "top_p": 0.95}  # the Gemma 3 270M's settings
 GREEDY = {"eos_token_id": STOP_IDS, "do_sample": False, "temperature": 0.7, "top_k": 20}  # transformers: greedy
@@ -100,6 +99,7 @@ def with_config(model, folder, config: dict | None):
     return model
 
 
+@pytest.mark.slow  # a tiny model with the real 262,144-token vocabulary, loaded and run
 def test_model_generate_samples_as_the_checkpoint_says(model, folder):
     with_config(model, folder, SAMPLED)
     greedy = model.generate(PROMPT, max_tokens=12, sampling=SamplingOptions())
@@ -113,6 +113,7 @@ def test_model_generate_samples_as_the_checkpoint_says(model, folder):
         model.generate(PROMPT, max_tokens=4, sampling=SamplingOptions(), temp=1.0)
 
 
+@pytest.mark.slow  # a tiny model with the real 262,144-token vocabulary, loaded and run
 @pytest.mark.parametrize("config", [GREEDY, None], ids=["do_sample-false", "no-file"])
 def test_model_generate_is_greedy_where_the_checkpoint_does_not_sample(model, folder, config):
     with_config(model, folder, config)
@@ -122,6 +123,7 @@ def test_model_generate_is_greedy_where_the_checkpoint_does_not_sample(model, fo
     assert model.generate(PROMPT, max_tokens=12, temp=1.0, seed=1) == model.generate(PROMPT, max_tokens=12, temp=1.0, seed=1)
 
 
+@pytest.mark.slow  # a tiny model with the real 262,144-token vocabulary, loaded and run
 def test_a_repetition_penalty_of_the_file_is_applied(model, folder):
     with_config(model, folder, {**GREEDY, "repetition_penalty": 3.0})
     penalized = model.generate(PROMPT, max_tokens=16, sampling=SamplingOptions(repetition_penalty=3.0))
@@ -130,6 +132,7 @@ def test_a_repetition_penalty_of_the_file_is_applied(model, folder):
     assert model.generate(PROMPT, max_tokens=16, repetition_penalty=1.0) == model.generate(PROMPT, max_tokens=16, sampling=SamplingOptions())
 
 
+@pytest.mark.slow  # a tiny model with the real 262,144-token vocabulary, loaded and run
 def test_a_checkpoint_with_bad_sampling_defaults_is_refused_at_load(folder, tmp_path):
     import shutil
 
@@ -151,6 +154,7 @@ def chat(folder, capsys, *flags: str) -> tuple[str, str]:
     return out.out, out.err
 
 
+@pytest.mark.slow  # a tiny model with the real 262,144-token vocabulary, loaded and run
 def test_the_cli_samples_as_the_checkpoint_says(model, folder, capsys):
     with_config(model, folder, SAMPLED)
     one, two, again = (chat(folder, capsys, "--seed", s)[0] for s in ("1", "2", "1"))
@@ -164,6 +168,7 @@ def test_the_cli_samples_as_the_checkpoint_says(model, folder, capsys):
     assert chat(folder, capsys, "--top-k", "8", "--seed", seed)[0] == out.rsplit("[prompt:", 1)[0]
 
 
+@pytest.mark.slow  # a tiny model with the real 262,144-token vocabulary, loaded and run
 @pytest.mark.parametrize("config", [GREEDY, None], ids=["do_sample-false", "no-file"])
 def test_the_cli_is_greedy_where_the_checkpoint_does_not_sample(model, folder, capsys, config):
     with_config(model, folder, config)
@@ -187,6 +192,7 @@ def complete(url: str, **fields) -> str:
     return body["choices"][0]["text"]
 
 
+@pytest.mark.slow  # a tiny model with the real 262,144-token vocabulary, loaded and run
 def test_the_server_samples_as_the_checkpoint_says(model, folder):
     with_config(model, folder, SAMPLED)
     greedy = model.generate(PROMPT, max_tokens=12, sampling=SamplingOptions())
@@ -207,6 +213,7 @@ def test_the_server_samples_as_the_checkpoint_says(model, folder):
         assert complete(url, seed=1) == greedy
 
 
+@pytest.mark.slow  # a tiny model with the real 262,144-token vocabulary, loaded and run
 @pytest.mark.parametrize("config", [GREEDY, None], ids=["do_sample-false", "no-file"])
 def test_the_server_is_greedy_where_the_checkpoint_does_not_sample(model, folder, config):
     with_config(model, folder, config)
@@ -214,6 +221,7 @@ def test_the_server_is_greedy_where_the_checkpoint_does_not_sample(model, folder
         assert complete(url, seed=1) == complete(url, seed=2) == model.generate(PROMPT, max_tokens=12, sampling=SamplingOptions())
 
 
+@pytest.mark.slow  # a tiny model with the real 262,144-token vocabulary, loaded and run
 def test_a_repetition_penalty_with_a_draft_model_is_refused_before_the_first_turn(model, folder, capsys):
     from examples.chat import main
 
