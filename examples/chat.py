@@ -10,6 +10,9 @@ the conversation (--prompt-cache FILE resumes one at start and saves it on exit;
 be used is refused by name and the chat goes on as it was); /quit (or Ctrl-D) leaves. A message the
 model refuses (past its context) is not kept, and the chat goes on. Flags follow mlx-lm's spelling
 where they overlap; bad values and an unwritable --transcript are refused before the model loads.
+Sampling flags left out come from the checkpoint's generation_config.json, as transformers reads
+it (--temp 0 is greedy; --ignore-checkpoint-sampling ignores the file); --verbose prints each
+value, where it came from and the seed, drawn when --seed is not given.
 
 Across machines (docs/distributed.md): ``python -m models.parallel.launch --hosts h1,h2 --backend ring
 --python python3 -m examples.chat --model ... --parallel tensor|pipeline`` (mlx.launch's arguments;
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import sys
 from contextlib import contextmanager
@@ -31,7 +35,9 @@ import models
 from models.generation.chat import ChatSession
 from models.generation.prompt_cache import load_session, save_session
 from models.generation.generate import (
+    CONFIG_KEYS,
     DEFAULT_PREFILL_STEP,
+    REPETITION_CONTEXT,
     GenerationOptionError,
     KVQuantization,
     SamplingOptions,
@@ -84,11 +90,17 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
 def add_generation_args(p: argparse.ArgumentParser) -> None:
     """The flags every generating example shares: length, sampling, prefill, dtype, images, stats."""
     p.add_argument("--max-tokens", "-m", type=int, default=512)
-    p.add_argument("--temp", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temp", type=float, default=None,
+                   help="sampling temperature (0: greedy); default: the checkpoint's generation_config.json")  # fmt: skip
+    p.add_argument("--top-p", type=float, default=None, help="nucleus mass (0 or 1: off); default: the checkpoint's")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k likeliest tokens (0: off); default: the checkpoint's")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens below this share of the likeliest (0: off); default: the checkpoint's")
+    p.add_argument("--repetition-penalty", type=float, default=None,
+                   help=f"penalize the last {REPETITION_CONTEXT} tokens (1: off); default: the checkpoint's")  # fmt: skip
+    p.add_argument("--ignore-checkpoint-sampling", action="store_true",
+                   help="ignore the sampling defaults of the checkpoint's generation_config.json: greedy unless the "
+                        "flags above say otherwise")  # fmt: skip
+    p.add_argument("--seed", type=int, default=None, help="the sampling seed (default: drawn; --verbose prints it)")
     p.add_argument("--prefill-step-size", type=int, default=DEFAULT_PREFILL_STEP)
     p.add_argument("--max-soft-tokens", type=int, choices=SUPPORTED_SOFT_TOKEN_BUDGETS, default=None,
                    help="soft tokens per image (more = finer detail, longer prompt); default: the checkpoint's "
@@ -111,12 +123,55 @@ def add_generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="print tokens/s and peak memory after each answer")
 
 
+def given_sampling(args: argparse.Namespace) -> dict:
+    """The sampling flags as given (None: not given), by ``SamplingOptions`` field (the flags' own names)."""
+    return {name: getattr(args, name, None) for name in CONFIG_KEYS}
+
+
+def sampling_from_args(model, args: argparse.Namespace) -> tuple[SamplingOptions, dict[str, str]]:
+    """The flags' sampling options, the rest from the checkpoint (``Model.sampling_options``), and
+    where each came from. Without ``--seed`` a seed is drawn here, so ``--verbose`` can print it
+    and an answer worth keeping can be had again."""
+    seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
+    options, sources = model.sampling_options(
+        checkpoint_defaults=not getattr(args, "ignore_checkpoint_sampling", False), seed=seed, **given_sampling(args)
+    )
+    sources = flag_sources(sources)
+    if args.seed is None:
+        sources["seed"] = f"drawn: --seed {seed} repeats this answer"
+    return options, sources
+
+
+def flag_sources(sources: dict[str, str]) -> dict[str, str]:
+    """``resolve_sampling``'s sources with ``"given"`` spelled as the flag that gave it."""
+    return {name: FLAGS[name] if source == "given" else source for name, source in sources.items()}
+
+
+def describe_sampling(options: SamplingOptions, sources: dict[str, str]) -> str:
+    """What ``--verbose`` says about sampling: each value and where it came from."""
+    if options.temp == 0:
+        parts = [f"greedy: temp 0 ({sources['temp']})"]
+    else:
+        parts = [f"{name} {getattr(options, name)} ({sources[name]})" for name in ("temp", "top_k", "top_p", "min_p")]
+    parts.append(f"repetition_penalty {options.repetition_penalty} ({sources['repetition_penalty']})")
+    if options.temp != 0:
+        parts.append(f"seed {options.seed} ({sources['seed']})" if options.seed is not None else "seed: drawn per answer")
+    return "sampling: " + ", ".join(parts)
+
+
 def session_from_args(model, args: argparse.Namespace) -> ChatSession:
+    sampling, sources = sampling_from_args(model, args)
+    if getattr(args, "drafter", None) is not None:
+        from models.generation.speculative import check_speculative_sampling
+
+        check_speculative_sampling(sampling)  # before the first turn, not in it
+    if getattr(args, "verbose", False) and (getattr(args, "sharding", None) is None or args.sharding.rank == 0):
+        print(f"[{describe_sampling(sampling, sources)}]", file=sys.stderr, flush=True)
     return ChatSession(
         model,
         system_prompt=args.system_prompt,
         enable_thinking=args.thinking,
-        sampling=SamplingOptions(args.temp, args.top_p, args.top_k, args.min_p, args.seed),
+        sampling=sampling,
         max_tokens=args.max_tokens,
         prefill_step_size=args.prefill_step_size,
         max_soft_tokens=args.max_soft_tokens,
@@ -153,8 +208,8 @@ def kv_quantization_from_args(args: argparse.Namespace) -> KVQuantization:
 # The flag of each argument a GenerationOptionError names.
 FLAGS = {
     "max_tokens": "--max-tokens", "prefill_step_size": "--prefill-step-size", "temp": "--temp", "top_p": "--top-p",
-    "top_k": "--top-k", "min_p": "--min-p", "seed": "--seed", "bits": "--kv-bits", "group_size": "--kv-group-size",
-    "start": "--quantized-kv-start", "num_draft_tokens": "--num-draft-tokens",
+    "top_k": "--top-k", "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "seed": "--seed",
+    "bits": "--kv-bits", "group_size": "--kv-group-size", "start": "--quantized-kv-start", "num_draft_tokens": "--num-draft-tokens",
 }  # fmt: skip
 
 
@@ -170,7 +225,7 @@ def check_args(args: argparse.Namespace) -> str | None:
     try:
         check_positive_int("max_tokens", args.max_tokens)
         check_positive_int("prefill_step_size", args.prefill_step_size)
-        SamplingOptions(args.temp, args.top_p, args.top_k, args.min_p, args.seed)
+        SamplingOptions(seed=args.seed, **{name: value for name, value in given_sampling(args).items() if value is not None})
         kv_quantization_from_args(args)
         check_num_draft_tokens(getattr(args, "num_draft_tokens", 4))
     except GenerationOptionError as err:

@@ -7,8 +7,10 @@ GET /v1/models, GET /health, GET /metrics. Requests are batched continuously (--
 at once, --max-queue waiting; past that a 429 with Retry-After). Media parts: data: URLs always;
 local files only under --allowed-media-dir; http(s) only with --allow-network-media. Thinking is
 off unless a request asks for it. --api-key KEY requires a Bearer key (all but /health); only
-loopback Host names (and --allowed-host ones) are answered; POST bodies must be JSON. Sampling
-defaults follow mlx-lm's server (greedy unless a request or --temp says otherwise). Needs the
+loopback Host names (and --allowed-host ones) are answered; POST bodies must be JSON. A request's
+sampling fields win; those it leaves out come from --temp, --top-p, ... and then from the
+checkpoint's generation_config.json, as vLLM's --generation-config auto takes them
+(--ignore-checkpoint-sampling: greedy unless told); the startup line says which. Needs the
 server extra: pip install -e ".[server]". docs/server.md.
 """
 
@@ -18,7 +20,10 @@ import argparse
 import logging
 import sys
 
-from examples.chat import FLAGS, add_generation_args, check_args, flag_error, kv_quantization_from_args, load_model
+from examples.chat import (
+    FLAGS, add_generation_args, check_args, describe_sampling, flag_error, flag_sources, given_sampling, kv_quantization_from_args,
+    load_model,
+)  # fmt: skip
 from models.generation.generate import GenerationOptionError, check_positive_int
 from zoo_cpu import switches
 
@@ -107,9 +112,12 @@ def main(argv=None) -> int:
         engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, kv_quantization=kv_quantization_from_args(args),
                         prefill_step_size=args.prefill_step_size, prefix_store=store)  # fmt: skip
         model.max_soft_tokens = args.max_soft_tokens
-        settings = ServerSettings(args.model_id or args.model, args.max_tokens, args.temp, args.top_p, args.top_k, args.min_p,
-                                  args.seed, media, api_key=args.api_key, allowed_hosts=tuple(args.allowed_host),
-                                  allow_control_tokens=args.allow_control_tokens)  # fmt: skip
+        given = given_sampling(args)
+        settings = ServerSettings(args.model_id or args.model, args.max_tokens, temperature=given["temp"], top_p=given["top_p"],
+                                  top_k=given["top_k"], min_p=given["min_p"], seed=args.seed,
+                                  repetition_penalty=given["repetition_penalty"],
+                                  checkpoint_sampling=not args.ignore_checkpoint_sampling, media=media, api_key=args.api_key,
+                                  allowed_hosts=tuple(args.allowed_host), allow_control_tokens=args.allow_control_tokens)  # fmt: skip
         app = make_app(model, engine, settings)
     except ValueError as err:
         print(f"error: {flag_error(err) if isinstance(err, GenerationOptionError) and err.argument in FLAGS else err}", file=sys.stderr)
@@ -117,6 +125,9 @@ def main(argv=None) -> int:
     engine.start()
     logging.basicConfig(level=args.log_level.upper())
     print(f"serving {settings.model_id} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    if not engine.diffusion:
+        options, sources = model.sampling_options(checkpoint_defaults=settings.checkpoint_sampling, seed=args.seed, **given)
+        print(f"[requests' defaults: {describe_sampling(options, flag_sources(sources))}]", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 

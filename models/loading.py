@@ -25,6 +25,7 @@ from weights.safetensors_io import checkpoint_shapes
 from weights.resolve import folder_file
 from weights.quantize import QuantizationPolicy, QuantizationReport, plan_load, quantize_model
 
+from models.generation.generate import GenerationOptionError, checkpoint_sampling
 from models.checks import TOKENIZER_FILES, TokenizerLoadError, VocabularyMismatchError, tokenizer_vocabulary_size
 from models.precision import AUTO, DevicePlan, Precision, cast_weights, choose, choose_plan, prepare
 from models.registry import Architecture, architecture_for
@@ -71,6 +72,14 @@ def read_generation_config(folder: Path) -> dict:
         return json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"{path}: invalid JSON ({err})") from err
+
+
+def check_sampling_defaults(folder: Path, generation_config: dict) -> None:
+    """Refuse at load, by file and key, sampling defaults no request could use (``top_p: 1.5``)."""
+    try:
+        checkpoint_sampling(generation_config)
+    except GenerationOptionError as err:
+        raise ValueError(f"{folder / 'generation_config.json'}: {err}") from None
 
 
 def load_tokenizer(folder: Path, vocab_size: int, eos_token_ids=None):
@@ -222,10 +231,12 @@ def load(
     elif loaded.architecture.wrapper == "unified":
         from models.unified_model import UnifiedModel
 
+        check_sampling_defaults(folder, generation_config)
         model = UnifiedModel(loaded.graph, loaded.config, wrapper, generation_config, folder, loaded.raw_config["model_type"])
     else:
         from models.model import Model
 
+        check_sampling_defaults(folder, generation_config)
         model = Model(loaded.graph, loaded.config, wrapper, generation_config, folder, loaded.raw_config["model_type"])
     model.plan, model.precision, model.device_notes = device_plan, loaded.precision, device_notes  # stated by --verbose
     return model

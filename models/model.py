@@ -13,7 +13,7 @@ from graphs.decode_step import CompiledDecode
 from models.checks import check_token_ids, id_array, id_list, no_tokenizer_error
 from models.generation.batch import BatchGenerator, BatchRequest
 from models.generation.generate import (
-    DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions, check_context, generate_tokens,
+    DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions, check_context, generate_tokens, resolve_sampling,
 )  # fmt: skip
 from models.processing.image_processor import Gemma4ImageProcessor, ImageInput, ProcessedImage
 from models.generation.prompts import Prompt, expand_image_placeholders
@@ -197,6 +197,23 @@ class Model(MediaMixin):
             ids.add(eos)
         return ids
 
+    def sampling_options(
+        self, *, checkpoint_defaults: bool = True, seed: int | None = None, **given
+    ) -> tuple[SamplingOptions, dict[str, str]]:
+        """The sampling options for ``given`` (``temp``, ``top_p``, ``top_k``, ``min_p``,
+        ``repetition_penalty``; None or left out: not given), the rest from this checkpoint's
+        ``generation_config.json`` unless ``checkpoint_defaults=False``, and where each came from
+        (``models.generation.generate.resolve_sampling``)."""
+        return resolve_sampling(self.generation_config, checkpoint_defaults=checkpoint_defaults, seed=seed, **given)
+
+    def _sampling(self, sampling: SamplingOptions | None, options: dict) -> SamplingOptions:
+        """``sampling`` as given (every field explicit), or the options of ``sampling_options(**options)``."""
+        if sampling is None:
+            return self.sampling_options(**options)[0]
+        if options:
+            raise ValueError(f"pass either sampling=SamplingOptions(...) or sampling keywords, not both (got {sorted(options)})")
+        return sampling
+
     def encode(self, text: str) -> list[int]:
         """``text`` as ids (with the tokenizer's BOS); ``NoTokenizerError`` without a tokenizer."""
         if self.tokenizer is None:
@@ -220,8 +237,15 @@ class Model(MediaMixin):
         stats: GenerationStats | None = None,
         draft=None,
         num_draft_tokens: int = 4,
+        **sampling_options,
     ) -> Iterator[Chunk]:
         """Stream text as it is generated; no chunk ever splits a multi-byte character.
+
+        Sampling: ``temp``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty`` and ``seed``
+        keywords; what is left out comes from the checkpoint's ``generation_config.json`` (sampled
+        as Google means it, or greedy where it says ``do_sample: false`` or has no such file), and
+        ``checkpoint_defaults=False`` ignores the checkpoint (greedy unless told). ``temp=0`` is
+        greedy. A ``sampling=SamplingOptions(...)`` is taken as it is, every field explicit.
 
         ``images`` go with one image placeholder each in ``prompt`` (see ``prompt()``). Every chunk
         carries the stats (``stats``, filled in, if given); after the last one
@@ -242,7 +266,7 @@ class Model(MediaMixin):
         detokenizer = self.tokenizer.detokenizer if self.tokenizer is not None else _NoText()  # ids, empty text
         detokenizer.reset()
         loop = dict(
-            sampling=sampling, max_tokens=max_tokens, stop_ids=self.stop_ids, prefill_step_size=prefill_step_size,
+            sampling=self._sampling(sampling, sampling_options), max_tokens=max_tokens, stop_ids=self.stop_ids, prefill_step_size=prefill_step_size,
             should_stop=should_stop, stats=stats, images=prompt.images, kv_quantization=kv_quantization,
             max_context=self.max_context,
         )  # fmt: skip
@@ -282,10 +306,11 @@ class Model(MediaMixin):
     ) -> list[str]:
         """The answers to ``prompts``, generated together (``models.generation.batch``): each
         equals what ``generate`` gives that prompt alone. ``sampling`` is one set of options for
-        all, or one per prompt (each with its own seed)."""
+        all, or one per prompt (each with its own seed); None: the checkpoint's defaults
+        (``sampling_options``)."""
         if self.tokenizer is None:
             raise no_tokenizer_error(self.path, "batch_generate (which returns text)", "BatchGenerator.run returns ids")
-        options = sampling if isinstance(sampling, (list, tuple)) else [sampling or SamplingOptions()] * len(prompts)
+        options = sampling if isinstance(sampling, (list, tuple)) else [sampling or self.sampling_options()[0]] * len(prompts)
         if len(options) != len(prompts):
             raise ValueError(f"batch_generate: {len(options)} sampling options for {len(prompts)} prompts")
         generator = BatchGenerator(self, max_batch=max_batch, kv_quantization=kv_quantization, prefix_store=prefix_store)

@@ -13,14 +13,18 @@ pytestmark = pytest.mark.slow
 
 
 def test_default_model_answers_a_one_shot_prompt():
+    """Sampled as the checkpoint's generation_config.json says, and --verbose says so (seeded: an
+    early end of turn would make the token count vary)."""
     out = subprocess.run(
-        [sys.executable, "-m", "examples.chat", "--prompt", "The capital of France is", "--max-tokens", "12", "--verbose"],
+        [sys.executable, "-m", "examples.chat", "--prompt", "The capital of France is", "--max-tokens", "12", "--verbose",
+         "--seed", "1"],
         capture_output=True, text=True, timeout=900,
-    )
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
     answer, stats = out.stdout.rsplit("[prompt:", 1)
     assert answer.strip(), "no answer text"
     assert "generation: 12 tokens" in stats
+    assert "top_k 64 (generation_config.json top_k), top_p 0.95 (generation_config.json top_p)" in out.stderr, out.stderr
 
 
 def test_zoo_model_greedy_continuation_is_the_reference_one():

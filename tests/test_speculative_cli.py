@@ -24,7 +24,7 @@ def test_a_draft_model_that_cannot_load_is_an_error(capsys):
 
 @pytest.mark.slow
 def test_self_drafting_270m_gives_plain_greedy_answer(capsys):
-    base = ["--prompt", "The capital of France is", "--max-tokens", "24"]
+    base = ["--prompt", "The capital of France is", "--max-tokens", "24", "--temp", "0"]  # greedy: the 270M samples by default
     assert chat.main(base) == 0
     plain = capsys.readouterr().out
     assert chat.main(base + ["--draft-model", "gemma-3-270m", "--num-draft-tokens", "3", "--verbose"]) == 0

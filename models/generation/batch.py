@@ -213,7 +213,7 @@ class BatchGenerator:
             logits = prefill(model._forward, prompt.ids, cache, self.prefill_step_size, prompt.images, self.kv_quantization)
             reused = 0
         stop_ids = frozenset(model.stop_ids if request.stop_ids is None else request.stop_ids)
-        row = _Row(request_id, prompt, cache, TokenSampler(request.sampling), stop_ids, request.max_tokens, reused)
+        row = _Row(request_id, prompt, cache, TokenSampler(request.sampling, prompt.ids), stop_ids, request.max_tokens, reused)
         return row, logits
 
     def _decode(self, rows: list[_Row]) -> list[BatchEvent]:

@@ -5,7 +5,10 @@ A prompt with images is prefilled in chunks that never cut through an image
 model, which reads it through ``vision_prefill``.
 
 Sampling (temperature, top-p, top-k, min-p) uses mlx-lm's filter arithmetic with a random key per
-conversation (``TokenSampler``) and never MLX's global random state, and streaming detokenization is mlx-lm's detokenizer; what is ours is the loop over our caches, the stop rule and
+conversation (``TokenSampler``) and never MLX's global random state; a repetition penalty is
+mlx-lm's logits processor. Options a caller leaves out come from the checkpoint's
+``generation_config.json`` as transformers reads it (``resolve_sampling``). Streaming
+detokenization is mlx-lm's detokenizer; what is ours is the loop over our caches, the stop rule and
 the bookkeeping that lets a chat keep its cache across turns (every yielded token has been fed to
 the cache; a stop token never is).
 """
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
+from mlx_lm.sample_utils import make_logits_processors
 
 from cache import cache_offset, quantize_caches, trim_cache
 from models.generation.prompts import ImageSpan, prefill_chunks
@@ -28,6 +32,7 @@ from zoo_cpu import fast_math
 DEFAULT_PREFILL_STEP = 512
 KV_BITS = (2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
+REPETITION_CONTEXT = 20  # tokens a repetition penalty looks back over (mlx-lm's repetition_context_size default)
 
 
 class GenerationOptionError(ValueError):
@@ -105,14 +110,17 @@ class KVQuantization:
 
 @dataclass
 class SamplingOptions:
-    """mlx-lm's sampling knobs; ``temp == 0`` is greedy. Checked on construction (and again when
-    the sampler is made, as the fields may have been changed since)."""
+    """mlx-lm's sampling knobs; ``temp == 0`` is greedy, ``repetition_penalty == 1`` applies none.
+    Checked on construction (and again when the sampler is made, as the fields may have been
+    changed since). These are explicit values: ``resolve_sampling`` fills in the ones a caller
+    leaves out from the checkpoint."""
 
     temp: float = 0.0
     top_p: float = 0.0
     top_k: int = 0
     min_p: float = 0.0
     seed: int | None = None
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         self.check()
@@ -129,10 +137,72 @@ class SamplingOptions:
             ("min_p", self.min_p, unit(self.min_p), "must be in [0, 1] (0 switches it off)"),
             ("seed", self.seed, self.seed is None or (_is_int(self.seed) and self.seed >= 0),
              "must be a whole number >= 0 (or None)"),
+            ("repetition_penalty", self.repetition_penalty,
+             _is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+             "must be a finite number > 0 (1 switches it off)"),
         ):  # fmt: skip
             if not ok:
                 raise GenerationOptionError(name, value, requirement)
 
+
+# SamplingOptions field -> generation_config.json key (transformers' GenerationConfig names).
+CONFIG_KEYS = {"temp": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p", "repetition_penalty": "repetition_penalty"}
+# What transformers' generate uses for a key a sampling (do_sample: true) config leaves unset
+# (GenerationConfig's default generation parameters; min_p unset means no min-p filter).
+TRANSFORMERS_DEFAULTS = {"temp": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
+NEUTRAL = {"temp": 0.0, "top_k": 0, "top_p": 0.0, "min_p": 0.0, "repetition_penalty": 1.0}  # greedy, no filter, no penalty
+
+
+def checkpoint_sampling(generation_config: dict) -> dict[str, tuple[float | int, str]]:
+    """Each sampling option (``CONFIG_KEYS``) as the checkpoint's ``generation_config.json`` sets it,
+    with where the value comes from, read as transformers reads the file: ``do_sample`` false or
+    absent is greedy (temperature and filters unused; a repetition penalty still applies), and under
+    ``do_sample: true`` a key left unset takes transformers' default. A value out of range is a
+    ``GenerationOptionError`` naming the file's key."""
+    if not generation_config:
+        return {name: (value, "no generation_config.json settings: greedy") for name, value in NEUTRAL.items()}
+    do_sample = generation_config.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise GenerationOptionError("do_sample", do_sample, "must be true or false in generation_config.json")
+    chosen = {}
+    for name, key in CONFIG_KEYS.items():
+        value = generation_config.get(key)
+        if do_sample and value is not None or name == "repetition_penalty" and value is not None:
+            chosen[name] = (value, f"generation_config.json {key}")
+        elif do_sample:
+            chosen[name] = (TRANSFORMERS_DEFAULTS[name], "transformers' default under do_sample")
+        else:
+            chosen[name] = (NEUTRAL[name], f"generation_config.json do_sample {'false' if do_sample is False else 'unset'}: greedy")
+    try:
+        SamplingOptions(**{name: value for name, (value, _) in chosen.items()})
+    except GenerationOptionError as err:
+        raise GenerationOptionError(CONFIG_KEYS.get(err.argument, err.argument), err.value,
+                                    f"{err.requirement} (in generation_config.json)") from None  # fmt: skip
+    return chosen
+
+
+def resolve_sampling(
+    generation_config: dict, *, checkpoint_defaults: bool = True, seed: int | None = None, **given
+) -> tuple[SamplingOptions, dict[str, str]]:
+    """The options for a request and where each came from (``"given"``, or the checkpoint's reason).
+
+    ``given`` holds ``temp``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``; a value
+    that is None was not given and comes from the checkpoint (``checkpoint_sampling``), as
+    transformers' ``generate`` and vLLM's server take it; an explicit value always wins (``temp=0``
+    is greedy). ``checkpoint_defaults=False`` ignores the checkpoint: greedy unless told otherwise."""
+    unknown = set(given) - set(CONFIG_KEYS)
+    if unknown:
+        raise TypeError(f"resolve_sampling: unknown sampling options {sorted(unknown)}")
+    if checkpoint_defaults:
+        base = checkpoint_sampling(generation_config)
+    else:
+        base = {name: (value, "checkpoint's defaults ignored") for name, value in NEUTRAL.items()}
+    values, sources = {}, {}
+    for name in CONFIG_KEYS:
+        mine = given.get(name)
+        values[name], sources[name] = (mine, "given") if mine is not None else base[name]
+    sources["seed"] = "given" if seed is not None else "none"
+    return SamplingOptions(seed=seed, **values), sources
 
 
 def filter_logprobs(logprobs: mx.array, options: SamplingOptions) -> mx.array:
@@ -165,7 +235,10 @@ def filter_logprobs(logprobs: mx.array, options: SamplingOptions) -> mx.array:
 
 class TokenSampler:
     """Picks one conversation's next token from its logits: the argmax at ``temp == 0``, otherwise
-    mlx-lm's top-p, min-p and top-k filters (``filter_logprobs``) and a categorical draw.
+    mlx-lm's top-p, min-p and top-k filters (``filter_logprobs``) and a categorical draw; a
+    repetition penalty (mlx-lm's logits processor over the last ``REPETITION_CONTEXT`` tokens of
+    ``context``, the prompt, and the tokens drawn since) comes first, greedy or not, as in
+    transformers.
 
     mlx-lm's ``make_sampler`` draws from MLX's global random state, which the rows of a batch would
     share (a row's tokens would depend on its neighbours and on the order rows are sampled in), and
@@ -173,19 +246,29 @@ class TokenSampler:
     its own, made from ``seed`` (or from the operating system's randomness when there is none), so a
     request samples the same tokens alone or in any batch, and nothing is shared between requests."""
 
-    def __init__(self, options: SamplingOptions):
+    def __init__(self, options: SamplingOptions, context: Sequence[int] = ()):
         options.check()
         self.options = options
         seed = options.seed if options.seed is not None else secrets.randbits(63)
         self.key = mx.random.key(seed)
+        penalty = options.repetition_penalty
+        self.processors = [] if penalty == 1 else make_logits_processors(repetition_penalty=penalty,
+                                                                         repetition_context_size=REPETITION_CONTEXT)  # fmt: skip
+        self.recent = mx.array(list(context)[-REPETITION_CONTEXT:], dtype=mx.uint32)
 
     def __call__(self, logits: mx.array) -> mx.array:
         """The next token of logits ``[1, V]`` (shape ``[1]``), not evaluated."""
+        for process in self.processors:
+            logits = process(self.recent, logits)
         if self.options.temp == 0:  # greedy: the argmax needs no normalising
-            return mx.argmax(logits, axis=-1)
-        logprobs = filter_logprobs(fast_math.log_softmax(logits), self.options)  # the filters take log-probabilities
-        self.key, draw = mx.random.split(self.key)
-        return mx.random.categorical(logprobs * (1.0 / self.options.temp), key=draw)
+            token = mx.argmax(logits, axis=-1)
+        else:
+            logprobs = filter_logprobs(fast_math.log_softmax(logits), self.options)  # the filters take log-probabilities
+            self.key, draw = mx.random.split(self.key)
+            token = mx.random.categorical(logprobs * (1.0 / self.options.temp), key=draw)
+        if self.processors:
+            self.recent = mx.concatenate([self.recent, token.astype(mx.uint32)])[-REPETITION_CONTEXT:]
+        return token
 
 
 @dataclass
@@ -290,7 +373,7 @@ def generate_tokens(
     """
     max_tokens = check_positive_int("max_tokens", max_tokens)
     prefill_step_size = check_positive_int("prefill_step_size", prefill_step_size)
-    sample = TokenSampler(sampling or SamplingOptions())
+    sample = TokenSampler(sampling or SamplingOptions(), prompt_ids)
     stop_ids = set(stop_ids)
     stats = stats if stats is not None else GenerationStats()
     offset = check_context(cache, len(prompt_ids), max_context)

@@ -206,6 +206,15 @@ def make_drafter(draft, target):
 
 
 # ---------------------------------------------------------------------------------------- the loop
+def check_speculative_sampling(options: SamplingOptions) -> None:
+    """Refuse options speculative decoding cannot honour: a repetition penalty (acceptance compares
+    the drafter's and the target's distributions, which a penalty over the drafted tokens would change)."""
+    options.check()
+    if options.repetition_penalty != 1:
+        raise GenerationOptionError("repetition_penalty", options.repetition_penalty,
+                                    "speculative decoding applies no repetition penalty; use 1 or no draft model")  # fmt: skip
+
+
 def speculative_tokens(
     target,
     drafter,
@@ -231,7 +240,7 @@ def speculative_tokens(
     the window and decode kernels); sampled output has the target's distribution.
     """
     options = sampling or SamplingOptions()
-    options.check()
+    check_speculative_sampling(options)
     if options.seed is not None:
         mx.random.seed(options.seed)
     k_max = check_positive_int("num_draft_tokens", num_draft_tokens)

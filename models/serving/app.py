@@ -54,17 +54,26 @@ from models.serving.output import Delta, Markers, OutputParser
 from models.serving.schemas import APIError, ChatRequest, CompletionRequest, parse
 
 
+# SamplingOptions field -> the request's (and ServerSettings') field.
+REQUEST_FIELDS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "repetition_penalty": "repetition_penalty", "seed": "seed"}  # fmt: skip
+
+
 @dataclass
 class ServerSettings:
     """What the server answers with when a request leaves an option out."""
 
     model_id: str
     max_tokens: int = 512
-    temperature: float = 0.0  # mlx-lm's server default (greedy), not the API's 1.0
-    top_p: float = 0.0
-    top_k: int = 0
-    min_p: float = 0.0
+    # The server's own sampling defaults (the serve flags); None: the checkpoint's generation_config.json
+    # (vLLM's --generation-config auto), or greedy with checkpoint_sampling False.
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None  # for requests that send none
+    repetition_penalty: float | None = None
+    checkpoint_sampling: bool = True
     media: MediaPolicy = field(default_factory=MediaPolicy)
     max_body_bytes: int = 64 << 20  # a request body past this is a 413 (media parts are base64 in it)
     api_key: str | None = None  # Bearer key every route but /health needs (models.serving.guard)
@@ -187,26 +196,29 @@ class Server:
         prompt_tokens = len(ids) + sum(getattr(image, "num_soft_tokens", 0) + 1 for image in images)
         max_tokens = self._max_tokens(req, prompt_tokens)
         if self.diffusion:
-            for option in ("temperature", "top_p", "top_k", "min_p"):
+            for option in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
                 if getattr(req, option) is not None:
                     raise APIError(400, f"{option}: DiffusionGemma samples by its own schedule; leave {option} out", option)
             stop_ids = frozenset(self.model.defaults.eos_token_id)
             return Prepared(DiffusionRequest(ids, max_tokens, images, req.seed, stop_ids), prompt_tokens, parser)
         if getattr(req, "canvas_events", False):
             raise APIError(400, "canvas_events: only a DiffusionGemma model has a canvas", "canvas_events")
-        s = self.settings
         try:
-            sampling = SamplingOptions(
-                temp=s.temperature if req.temperature is None else req.temperature,
-                top_p=s.top_p if req.top_p is None else req.top_p,
-                top_k=s.top_k if req.top_k is None else req.top_k,
-                min_p=s.min_p if req.min_p is None else req.min_p,
-                seed=s.seed if req.seed is None else req.seed,
-            )
+            sampling = self.sampling(req)
         except GenerationOptionError as err:
-            raise APIError(400, str(err), err.argument) from None
+            raise APIError(400, str(err), REQUEST_FIELDS.get(err.argument, err.argument)) from None
         request = BatchRequest(ids, max_tokens=max_tokens, sampling=sampling, images=images, audio=audio, videos=videos)
         return Prepared(request, prompt_tokens, parser)
+
+    def sampling(self, req=None) -> SamplingOptions:
+        """The request's sampling fields, else the server's flags, else the checkpoint's defaults
+        (``Model.sampling_options``); ``sampling()`` is what a request that sends none gets."""
+        s = self.settings
+        given = {name: getattr(s, field) for name, field in REQUEST_FIELDS.items()}
+        if req is not None:
+            given.update({name: getattr(req, field) for name, field in REQUEST_FIELDS.items() if getattr(req, field) is not None})
+        seed = given.pop("seed")
+        return self.model.sampling_options(checkpoint_defaults=s.checkpoint_sampling, seed=seed, **given)[0]
 
     def _max_tokens(self, req, prompt_tokens: int) -> int:
         """The request's token budget, refused when prompt and budget do not fit the context."""

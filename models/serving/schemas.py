@@ -4,7 +4,8 @@ Every model forbids unknown fields and is strict about types (``"5"`` is not a n
 an option we do not implement is a 400 naming it, never silently ignored. Options of the OpenAI API
 that we cannot honour (``n > 1``, penalties, ``logprobs``, ``logit_bias``, JSON response formats,
 forced tool choice) are accepted only at their neutral value; any other value is a 400 naming the
-option. ``top_k`` and ``min_p`` are accepted as extensions (mlx-lm's server takes them too), as is
+option. ``top_k``, ``min_p`` and ``repetition_penalty`` (multiplicative, as transformers' and vLLM's) are
+accepted as extensions (mlx-lm's server takes them too), as is
 ``chat_template_kwargs.enable_thinking`` (vLLM's spelling); ``canvas_events`` asks a DiffusionGemma
 server for its denoising steps.
 """
@@ -127,6 +128,7 @@ class Sampling(Strict):
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = Field(None, gt=0)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
