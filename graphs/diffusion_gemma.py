@@ -140,10 +140,14 @@ class DiffusionGemmaModel(VocabularyHead, CheckedCaches, nn.Module):
         block's first step). The canvas sits at positions ``offset .. offset + C - 1``, right after
         the cached prefix; nothing is written to the cache.
         """
-        self.check_cache(cache)
-        h = self.embed(canvas)
         soft = None if self_conditioning is None else self.soft_embeddings(self_conditioning)
-        h = self.self_conditioning(h, soft)
+        return self.denoise_soft(canvas, cache, soft)
+
+    def denoise_soft(self, canvas: mx.array, cache: list, soft: mx.array | None) -> mx.array:
+        """``denoise`` given the soft embedding ``[B, C, H]`` itself (``expected_embedding``): the
+        generation loop makes it from the probabilities it already has for sampling."""
+        self.check_cache(cache)
+        h = self.self_conditioning(self.embed(canvas), soft)
         offset = cache[0].offset
         read = Read.canvas()
         for layer, layer_cache in zip(self.layers, cache):
@@ -155,9 +159,15 @@ class DiffusionGemmaModel(VocabularyHead, CheckedCaches, nn.Module):
 
         The softmax runs in float32 and is rounded to the embedding dtype before the product, as
         in the reference."""
+        return self.expected_embedding(fast_math.softmax(logits))
+
+    def expected_embedding(self, probs: mx.array) -> mx.array:
+        """``probs @ E * sqrt(H)`` for float32 probabilities ``[B, C, V]``, rounded to the embedding
+        dtype first; one BLAS product on the table's stored (transposed) layout, or the quantized
+        product on its packed rows."""
         table = self.embed_tokens
-        probs = fast_math.softmax(logits).astype(float_dtype(table))
-        if "scales" in table:  # a quantized table: the same product on the packed rows
+        probs = probs.astype(float_dtype(table))
+        if "scales" in table:
             expected = mx.quantized_matmul(
                 probs, table.weight, table.scales, table.get("biases"), transpose=False,
                 group_size=table.group_size, bits=table.bits, mode=table.mode,

@@ -49,8 +49,8 @@ class Noise(Protocol):
     def canvas(self, shape: tuple[int, int], vocab_size: int) -> mx.array:
         """Uniform token ids in ``[0, vocab_size)`` of ``shape`` (a fresh canvas, or re-noising)."""
 
-    def sample(self, logits: mx.array) -> mx.array:
-        """One token per position from ``softmax(logits)``; ``logits [B, C, V] -> [B, C]``."""
+    def sample(self, probs: mx.array) -> mx.array:
+        """One token per position from the float32 probabilities ``probs [B, C, V]`` -> ``[B, C]``."""
 
 
 class MLXNoise:
@@ -67,8 +67,13 @@ class MLXNoise:
     def canvas(self, shape, vocab_size):
         return mx.random.randint(0, vocab_size, shape, dtype=mx.int32, key=self._next_key())
 
-    def sample(self, logits):
-        return mx.random.categorical(logits, axis=-1, key=self._next_key()).astype(mx.int32)
+    def sample(self, probs):
+        # Inverse CDF: one uniform per position and a running sum over the vocabulary, where MLX's
+        # categorical draws (and takes two logarithms of) one uniform per vocabulary entry. A token
+        # of probability 0 is never drawn: ``u`` lies in (0, 1] and the count is of sums below it.
+        cdf = mx.cumsum(probs, axis=-1)
+        u = (1.0 - mx.random.uniform(shape=probs.shape[:-1], key=self._next_key())) * cdf[..., -1]
+        return (cdf < u[..., None]).sum(axis=-1).astype(mx.int32)
 
 
 # ------------------------------------------------------------------------------------ events
@@ -139,10 +144,34 @@ class Finished:
 
 
 # ----------------------------------------------------------------------------- algorithm pieces
+def vocabulary_step(logits: mx.array, temperature: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """``(processed, probs, entropies, argmax)`` of the decoder's ``logits [B, C, V]`` at ``temperature``.
+
+    Every vocabulary-wide quantity of a step from one set of exponentials: the processed logits
+    ``logits / temperature`` (a division, as the reference's processor), their float32 softmax
+    (what is sampled from and what self-conditions the next step), the per-position entropy (nats)
+    and the argmax (the draft). Compiled for the step's shape, so the element-wise work runs as
+    fused kernels.
+    """
+    return _vocabulary_step(logits.astype(mx.float32), temperature.astype(mx.float32))
+
+
+@mx.compile
+def _vocabulary_step(logits, temperature):
+    processed = logits / temperature
+    top = mx.max(processed, axis=-1, keepdims=True)
+    # fast_math.softmax's arithmetic, kept open here because the entropy reuses its exponentials:
+    # H = log(sum e) + sum(p * (top - x)), every term of the sum non-negative (no cancellation).
+    e = fast_math.exp_shifted(processed, top) if fast_math.active() else mx.exp(processed - top)
+    total = e.sum(axis=-1, keepdims=True)
+    probs = e / total
+    entropies = mx.log(total[..., 0]) + (probs * (top - processed)).sum(axis=-1)
+    return processed, probs, entropies, mx.argmax(processed, axis=-1).astype(mx.int32)
+
+
 def entropy(logits: mx.array) -> mx.array:
     """Per-position entropy (nats) of ``softmax(logits)``, in float32."""
-    logp = fast_math.log_softmax(logits)
-    return -(fast_math.softmax(logits) * logp).sum(axis=-1)
+    return vocabulary_step(logits, mx.array(1.0))[2]
 
 
 def entropy_bound_accept(entropies: mx.array, bound: float) -> mx.array:
@@ -295,29 +324,30 @@ def _denoise_block(model, cache, canvas, options, noise, rows_finished, passes, 
     B, C = canvas.shape
     stopper = StableAndConfident(options.stability_threshold, options.confidence_threshold)
     done = mx.zeros((B,), dtype=mx.bool_)
-    argmax, self_conditioning = canvas, None
+    argmax, soft = canvas, None
     embed_dtype = float_dtype(model.embed_tokens)
     step = 0
     for remaining in range(N, 0, -1):
         step += 1
         passes += ~(np.array(done) | rows_finished)
         temperature = options.temperature(remaining)
-        processed = model.denoise(canvas, cache, self_conditioning) / mx.array(temperature, dtype=mx.float32)
-        sample = noise.sample(processed)
-        new_argmax = mx.argmax(processed, axis=-1).astype(mx.int32)
-        entropies = entropy(processed)
+        logits = model.denoise_soft(canvas, cache, soft)
+        processed, probs, entropies, new_argmax = vocabulary_step(logits, mx.array(temperature, dtype=mx.float32))
+        sample = noise.sample(probs)
         accepted = entropy_bound_accept(entropies, options.entropy_bound)
         new_canvas = mx.where(accepted, sample, noise.canvas((B, C), model.config.text.vocab_size))
         # Rows that already stopped keep what they had (their steps would not have run at batch size 1).
         keep = done[:, None]
         new_argmax = mx.where(keep, argmax, new_argmax)
         new_canvas = mx.where(keep, canvas, new_canvas)
-        if self_conditioning is not None:
-            processed = mx.where(keep[..., None], self_conditioning, processed)
+        # The processed logits, rounded to the embedding dtype, self-condition the next step: in
+        # float32 their softmax is ``probs``. Left unevaluated, so a block's last step never pays for it.
+        sc_probs = probs if embed_dtype == mx.float32 else fast_math.softmax(processed.astype(embed_dtype))
+        new_soft = model.expected_embedding(sc_probs)
+        soft = new_soft if soft is None else mx.where(keep[..., None], soft, new_soft)
         done = done | stopper(new_argmax, entropies)
         argmax, canvas = new_argmax, new_canvas
-        self_conditioning = processed.astype(embed_dtype)
-        mx.eval(argmax, canvas, self_conditioning, done, accepted)
+        mx.eval(argmax, canvas, done, accepted)
         yield DenoiseStep(block, step, remaining, temperature, np.array(argmax), np.array(canvas), np.array(accepted), np.array(done))
         if bool(done.all()):
             break
