@@ -17,7 +17,9 @@ mlx-vlm has no entry point that runs the reference sampler on a bare checkpoint,
 the same loop as ours (``models.generation.diffusion``'s pieces, the same seed) around mlx-vlm's
 model calls (``diffusion_prefill_cache``, ``diffusion_decoder_logits``,
 ``diffusion_self_conditioning``, ``diffusion_update_cache``): the comparison is of the graphs and
-caches, and both stacks must commit the same tokens. mlx-vlm is imported from the environment or
+caches, and both stacks must commit the same tokens. Every process loads the same BLAS
+(``zoo_cpu`` is imported before MLX; ``GEMMA_ZOO_BLAS=off`` gives MLX's bundled reference BLAS to
+all). mlx-vlm is imported from the environment or
 from ``--mlx-vlm-path`` (``pip install --no-deps --target DIR mlx-vlm``); where it is not
 installed its row is reported as such.
 
@@ -39,6 +41,8 @@ import sys
 import time
 from importlib.util import find_spec
 from pathlib import Path
+
+import zoo_cpu  # noqa: F401  (the same fast BLAS for every stack, loaded before MLX in each process)
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / ".assets" / "bench"
@@ -131,14 +135,14 @@ def run_ours(sizes: Sizes, prompt: list[int], blocks: int, steps: int):
     return result.prefill_seconds, result.generation_seconds, result.new_tokens(0), _prefill_chunk(model.graph, result.cache, sizes, np)
 
 
-def _prefill_chunk(graph, cache, sizes: Sizes, np) -> float:
+def _prefill_chunk(graph, cache, sizes: Sizes, np, rounds: int = 3) -> float:
     """Seconds of one encoder pass of ``canvas`` tokens over the run's cache (then trimmed off):
     the forward a canvas step shares with a prefill."""
     import mlx.core as mx
 
     chunk = mx.array(np.array([sizes.prompt(sizes.canvas)]))
     times = []
-    for _ in range(3):
+    for _ in range(rounds):
         start = time.perf_counter()
         graph.prefill(chunk, cache)
         mx.eval([(state["keys"], state["values"]) for state in (c.state for c in cache)])
@@ -170,8 +174,7 @@ def run_mlx_vlm(sizes: Sizes, prompt: list[int], blocks: int, steps: int):
         canvas, self_conditioning = noise.canvas((1, C), vocab), None
         for remaining in range(steps, 0, -1):
             logits = model.diffusion_decoder_logits(canvas, cache, self_conditioning)
-            temperature = mx.array(options.temperature(remaining), dtype=mx.float32)
-            processed, probs, entropies, argmax = vocabulary_step(logits, temperature)
+            processed, probs, entropies, argmax = vocabulary_step(logits, options.temperature(remaining))
             accepted = entropy_bound_accept(entropies, options.entropy_bound)
             canvas = mx.where(accepted, noise.sample(probs), noise.canvas((1, C), vocab))
             self_conditioning = model.diffusion_self_conditioning(processed, embedding)
@@ -202,6 +205,64 @@ def run_autoregressive(sizes: Sizes, prompt: list[int], blocks: int, steps: int)
     rest = list(tokens)
     generated = [first, *rest]
     return prefill_s, (time.perf_counter() - start) * blocks * sizes.canvas / len(generated), [int(t) for t in generated], None
+
+
+def profile(sizes: Sizes, n_prompt: int, steps: int, rounds: int) -> None:
+    """Where a canvas step of ours goes: each piece evaluated on its own over the prompt's cache,
+    the pieces taking turns round after round (median per piece), beside the whole step as the
+    loop runs it and a prefill chunk of the same length."""
+    import mlx.core as mx
+    import numpy as np
+
+    from models import load
+    from models.generation.diffusion import MLXNoise, StableAndConfident, entropy_bound_accept, vocabulary_step
+
+    model = load(str(sizes.diffusion), tokenizer=False)
+    graph, C, V = model.graph, sizes.canvas, sizes.text["vocab_size"]
+    mx.eval(graph.parameters())
+    prompt = sizes.prompt(n_prompt)
+    cache = graph.make_cache()
+    graph.prefill(mx.array([prompt]), cache)
+    mx.eval([(state["keys"], state["values"]) for state in (c.state for c in cache)])
+    noise = MLXNoise(0)
+    canvas, temperature, cap = noise.canvas((1, C), V), 0.6, graph.config.text.final_logit_softcapping
+    states = graph.decoder_states(canvas, cache, None)
+    head = graph.head_product(states)
+    processed, probs, entropies, argmax = vocabulary_step(head, temperature, cap)
+    soft = graph.expected_embedding(probs)
+    mx.eval(states, head, probs, entropies, soft)
+    stopper = StableAndConfident(1, 0.005)
+    pieces = {
+        f"prefill chunk of {C} tokens (encoder pass over the same cache, for scale)":
+            lambda: _prefill_chunk(graph, cache, sizes, np, rounds=1),
+        "decoder: embedding, self-conditioning MLP, layers, final norm": lambda: graph.decoder_states(canvas, cache, soft),
+        "tied head product (BLAS, on the stored transpose)": lambda: graph.head_product(states),
+        "vocabulary_step: softcap, temperature, softmax, entropy, argmax": lambda: vocabulary_step(head, temperature, cap),
+        "sample (inverse CDF over the probabilities)": lambda: noise.sample(probs),
+        "acceptance, re-noising, stop rule": lambda: (mx.where(entropy_bound_accept(entropies, 0.1), argmax, noise.canvas((1, C), V)),
+                                                      stopper(argmax, entropies)),
+        "self-conditioning product probs @ E": lambda: graph.expected_embedding(probs),
+    }  # fmt: skip
+    times = {name: [] for name in pieces}
+    whole = []
+    for _ in range(rounds):
+        for name, piece in pieces.items():
+            start = time.perf_counter()
+            mx.eval(piece())
+            times[name].append(time.perf_counter() - start)
+        result = model.generate(prompt, seed=0, max_new_tokens=C, max_denoising_steps=steps)
+        whole.append(result.generation_seconds / steps)
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(zoo_cpu.blas.describe())
+    print(f"ours, one canvas step of {C} positions over a {n_prompt}-token prompt, vocab {V}: median of {rounds}; load average {load}")
+    print("| piece | ms |")
+    print("|---|---|")
+    for name, ts in times.items():
+        print(f"| {name} | {1000 * statistics.median(ts):.1f} |")
+    step_pieces = sum(statistics.median(ts) for name, ts in list(times.items())[1:])
+    print(f"| sum of the step's pieces | {1000 * step_pieces:.1f} |")
+    print(f"| a whole step as the loop runs it ({steps}-step block; the last step skips the self-conditioning product) "
+          f"| {1000 * statistics.median(whole):.1f} |")  # fmt: skip
 
 
 RUNNERS = {"ours": run_ours, "mlx_vlm": run_mlx_vlm, "autoregressive": run_autoregressive}
@@ -237,6 +298,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="a tiny checkpoint, one round: a check that every stack runs and agrees")
+    parser.add_argument("--profile", type=int, metavar="ROUNDS", help="time the pieces of ours' canvas step instead (in this process)")
     parser.add_argument("--mlx-vlm-path", help="a folder holding the mlx_vlm package (added to PYTHONPATH)")
     parser.add_argument("--child", choices=sorted(RUNNERS), help=argparse.SUPPRESS)
     parser.add_argument("--size", choices=sorted(SIZES), default="full", help=argparse.SUPPRESS)
@@ -244,6 +306,11 @@ def main() -> None:
     if args.smoke:
         args.size = "smoke"
         vars(args).update(SMOKE_RUN)
+    if args.profile:
+        sizes = Sizes(args.size)
+        build_checkpoints(sizes)
+        profile(sizes, args.prompt, args.steps, args.profile)
+        return
     if args.child:
         child(args.child, args.size, args.prompt, args.blocks, args.steps, args.runs)
         return
@@ -291,6 +358,7 @@ def _importable(package: str, env: dict) -> bool:
 def print_table(sizes: Sizes, args, rows: dict) -> None:
     text = sizes.text
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(zoo_cpu.blas.describe())
     print(f"DiffusionGemma random checkpoint (H={text['hidden_size']}, {text['num_hidden_layers']} layers, "
           f"{text['num_experts']} experts, vocab {text['vocab_size']}, canvas {sizes.canvas}), prompt {args.prompt}, "
           f"{args.blocks} blocks x {args.steps} steps, median of {args.runs}; load average {load}")  # fmt: skip

@@ -141,18 +141,19 @@ class DiffusionGemmaModel(VocabularyHead, CheckedCaches, nn.Module):
         the cached prefix; nothing is written to the cache.
         """
         soft = None if self_conditioning is None else self.soft_embeddings(self_conditioning)
-        return self.denoise_soft(canvas, cache, soft)
+        return self.logits(self.decoder_states(canvas, cache, soft))
 
-    def denoise_soft(self, canvas: mx.array, cache: list, soft: mx.array | None) -> mx.array:
-        """``denoise`` given the soft embedding ``[B, C, H]`` itself (``expected_embedding``): the
-        generation loop makes it from the probabilities it already has for sampling."""
+    def decoder_states(self, canvas: mx.array, cache: list, soft: mx.array | None) -> mx.array:
+        """The decoder's final-normed hidden states ``[B, C, H]`` given the soft embedding ``soft [B, C, H]``
+        (``expected_embedding``; None at a block's first step): everything of ``denoise`` but the head.
+        The generation loop calls it with the soft embedding made from the probabilities it samples from."""
         self.check_cache(cache)
         h = self.self_conditioning(self.embed(canvas), soft)
         offset = cache[0].offset
         read = Read.canvas()
         for layer, layer_cache in zip(self.layers, cache):
             h = layer(h, None, layer_cache, offset, read)
-        return self.logits(self.norm(h))
+        return self.norm(h)
 
     def soft_embeddings(self, logits: mx.array) -> mx.array:
         """``softmax(logits) @ E * sqrt(H)``: the expected embedding under the previous prediction.

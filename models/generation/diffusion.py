@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
 
@@ -144,25 +145,47 @@ class Finished:
 
 
 # ----------------------------------------------------------------------------- algorithm pieces
-def vocabulary_step(logits: mx.array, temperature: mx.array) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-    """``(processed, probs, entropies, argmax)`` of the decoder's ``logits [B, C, V]`` at ``temperature``.
+def vocabulary_step(
+    logits: mx.array, temperature: float, softcap: float | None = None
+) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """``(processed, probs, entropies, argmax)`` of the decoder's float32 ``logits [B, C, V]``.
 
-    Every vocabulary-wide quantity of a step from one set of exponentials: the processed logits
-    ``logits / temperature`` (a division, as the reference's processor), their float32 softmax
-    (what is sampled from and what self-conditions the next step), the per-position entropy (nats)
-    and the argmax (the draft). Compiled for the step's shape, so the element-wise work runs as
-    fused kernels.
+    Every vocabulary-wide quantity of a step from one set of exponentials: the logits softcapped
+    (``softcap * tanh(logits / softcap)``, when ``softcap`` is given: the tied head's raw output)
+    and divided by ``temperature`` (a float32 division, as the reference's processor), their float32
+    softmax (what is sampled from and what self-conditions the next step), the per-position entropy
+    (nats; ``H = log(sum e) + sum(p * (top - x))``, every term non-negative, no cancellation) and
+    the argmax (the draft).
+
+    On the CPU (``zoo_cpu``'s ``fast_math`` plan) this runs in numpy, whose ``exp``, ``tanh`` and
+    reductions are AVX2/AVX-512 vector loops: MLX's CPU ``exp`` and ``tanh`` are scalar loops and
+    its reductions single-lane, some twenty times slower over a vocabulary (docs/diffusion.md).
+    Elsewhere (a GPU) it is one compiled MLX function.
     """
-    return _vocabulary_step(logits.astype(mx.float32), temperature.astype(mx.float32))
+    t = np.float32(temperature)
+    if not fast_math.active():
+        cap = mx.array(softcap or 0.0, dtype=mx.float32)
+        return _mlx_vocabulary_step(logits.astype(mx.float32), mx.array(t), cap, softcap is not None)
+    x = np.asarray(logits.astype(mx.float32))
+    if softcap is not None:
+        cap = np.float32(softcap)
+        x = cap * np.tanh(x / cap)
+    processed = x / t
+    top = processed.max(axis=-1, keepdims=True)
+    e = np.exp(processed - top)
+    total = e.sum(axis=-1, keepdims=True)
+    probs = e / total
+    entropies = np.log(total[..., 0]) + (probs * (top - processed)).sum(axis=-1)
+    argmax = processed.argmax(axis=-1).astype(np.int32)
+    return mx.array(processed), mx.array(probs), mx.array(entropies), mx.array(argmax)
 
 
-@mx.compile
-def _vocabulary_step(logits, temperature):
-    processed = logits / temperature
+@partial(mx.compile, shapeless=False)  # traced per step shape: [B, C, V] is fixed within a run
+def _mlx_vocabulary_step(logits, temperature, cap, capped: bool):
+    x = cap * mx.tanh(logits / cap) if capped else logits
+    processed = x / temperature
     top = mx.max(processed, axis=-1, keepdims=True)
-    # fast_math.softmax's arithmetic, kept open here because the entropy reuses its exponentials:
-    # H = log(sum e) + sum(p * (top - x)), every term of the sum non-negative (no cancellation).
-    e = fast_math.exp_shifted(processed, top) if fast_math.active() else mx.exp(processed - top)
+    e = mx.exp(processed - top)
     total = e.sum(axis=-1, keepdims=True)
     probs = e / total
     entropies = mx.log(total[..., 0]) + (probs * (top - processed)).sum(axis=-1)
@@ -171,7 +194,7 @@ def _vocabulary_step(logits, temperature):
 
 def entropy(logits: mx.array) -> mx.array:
     """Per-position entropy (nats) of ``softmax(logits)``, in float32."""
-    return vocabulary_step(logits, mx.array(1.0))[2]
+    return vocabulary_step(logits, 1.0)[2]
 
 
 def entropy_bound_accept(entropies: mx.array, bound: float) -> mx.array:
@@ -331,8 +354,8 @@ def _denoise_block(model, cache, canvas, options, noise, rows_finished, passes, 
         step += 1
         passes += ~(np.array(done) | rows_finished)
         temperature = options.temperature(remaining)
-        logits = model.denoise_soft(canvas, cache, soft)
-        processed, probs, entropies, new_argmax = vocabulary_step(logits, mx.array(temperature, dtype=mx.float32))
+        head = model.head_product(model.decoder_states(canvas, cache, soft))
+        processed, probs, entropies, new_argmax = vocabulary_step(head, temperature, model.config.text.final_logit_softcapping)
         sample = noise.sample(probs)
         accepted = entropy_bound_accept(entropies, options.entropy_bound)
         new_canvas = mx.where(accepted, sample, noise.canvas((B, C), model.config.text.vocab_size))
