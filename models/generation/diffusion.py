@@ -167,15 +167,25 @@ def vocabulary_step(
         cap = mx.array(softcap or 0.0, dtype=mx.float32)
         return _mlx_vocabulary_step(logits.astype(mx.float32), mx.array(t), cap, softcap is not None)
     x = np.asarray(logits.astype(mx.float32))
+    # In place where the rounding allows: three [B, C, V] arrays at most (a real vocabulary of 262,144
+    # over a 256-token canvas makes each 268 MB).
     if softcap is not None:
         cap = np.float32(softcap)
-        x = cap * np.tanh(x / cap)
-    processed = x / t
+        processed = x / cap
+        np.tanh(processed, out=processed)
+        processed *= cap
+        processed /= t
+    else:
+        processed = x / t
     top = processed.max(axis=-1, keepdims=True)
-    e = np.exp(processed - top)
-    total = e.sum(axis=-1, keepdims=True)
-    probs = e / total
-    entropies = np.log(total[..., 0]) + (probs * (top - processed)).sum(axis=-1)
+    probs = np.subtract(processed, top)
+    np.exp(probs, out=probs)
+    total = probs.sum(axis=-1, keepdims=True)
+    probs /= total
+    gap = np.subtract(top, processed)
+    gap *= probs
+    entropies = np.log(total[..., 0]) + gap.sum(axis=-1)
+    del gap
     argmax = processed.argmax(axis=-1).astype(np.int32)
     return mx.array(processed), mx.array(probs), mx.array(entropies), mx.array(argmax)
 
