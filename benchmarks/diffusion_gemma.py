@@ -130,7 +130,6 @@ def build_checkpoints(sizes: Sizes) -> None:
 # Each runner: (prefill seconds, generation seconds, committed tokens, prefill-chunk seconds or None).
 def run_ours(sizes: Sizes, prompt: list[int], blocks: int, steps: int):
     import mlx.core as mx
-    import numpy as np
 
     from models import load
 
@@ -140,7 +139,7 @@ def run_ours(sizes: Sizes, prompt: list[int], blocks: int, steps: int):
     result = model.generate(prompt, seed=0, max_new_tokens=blocks * sizes.canvas, max_denoising_steps=steps)
     if result.steps_per_block != [steps] * blocks:
         raise RuntimeError(f"ours ran {result.steps_per_block} steps per block, not {[steps] * blocks}: the stacks would do different work")
-    return result.prefill_seconds, result.generation_seconds, result.new_tokens(0), _prefill_chunk(model.graph, result.cache, sizes, np)
+    return result.prefill_seconds, result.generation_seconds, result.new_tokens(0), _prefill_chunk(model.graph, result.cache, sizes)
 
 
 def draft_ours(sizes: Sizes, prompt: list[int]) -> list[int]:
@@ -163,10 +162,11 @@ def draft_mlx_vlm(sizes: Sizes, prompt: list[int]) -> list[int]:
     return mx.argmax(model.diffusion_decoder_logits(mx.array([sizes.draft_canvas()]), cache, None), axis=-1)[0].tolist()
 
 
-def _prefill_chunk(graph, cache, sizes: Sizes, np, rounds: int = 3) -> float:
+def _prefill_chunk(graph, cache, sizes: Sizes, rounds: int = 3) -> float:
     """Seconds of one encoder pass of ``canvas`` tokens over the run's cache (then trimmed off):
     the forward a canvas step shares with a prefill."""
     import mlx.core as mx
+    import numpy as np
 
     chunk = mx.array(np.array([sizes.prompt(sizes.canvas)]))
     times = []
@@ -240,7 +240,6 @@ def profile(sizes: Sizes, n_prompt: int, steps: int, rounds: int) -> None:
     the pieces taking turns round after round (median per piece), beside the whole step as the
     loop runs it and a prefill chunk of the same length."""
     import mlx.core as mx
-    import numpy as np
 
     from models import load
     from models.generation.diffusion import MLXNoise, StableAndConfident, entropy_bound_accept, vocabulary_step
@@ -262,7 +261,7 @@ def profile(sizes: Sizes, n_prompt: int, steps: int, rounds: int) -> None:
     stopper = StableAndConfident(1, 0.005)
     pieces = {
         f"prefill chunk of {C} tokens (encoder pass over the same cache, for scale)":
-            lambda: _prefill_chunk(graph, cache, sizes, np, rounds=1),
+            lambda: _prefill_chunk(graph, cache, sizes, rounds=1),
         "decoder: embedding, self-conditioning MLP, layers, final norm": lambda: graph.decoder_states(canvas, cache, soft),
         "tied head product (BLAS, on the stored transpose)": lambda: graph.head_product(states),
         "vocabulary_step: softcap, temperature, softmax, entropy, argmax": lambda: vocabulary_step(head, temperature, cap),
