@@ -61,6 +61,32 @@ def test_a_failed_network_fetch_is_a_400_naming_the_url():
     assert "could not fetch 'http://127.0.0.1:9/a.png'" in str(err) and err.param == PART
 
 
+def test_an_allowed_network_fetch_reads_the_bytes_within_the_size_limit():
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(_png())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/a.png"
+        assert MediaPolicy(allow_network=True).read(url, PART) == _png()
+        assert "larger than 10 bytes" in str(_refused(MediaPolicy(allow_network=True, max_bytes=10).read, url, PART))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
 def test_local_files_only_inside_the_allowed_folders(tmp_path):
     allowed, outside = tmp_path / "allowed", tmp_path / "outside"
     allowed.mkdir()
