@@ -148,3 +148,14 @@ def test_each_named_choice_and_a_file_that_is_no_blas(tmp_path):
     assert not got["loaded"] and got["name"] == "MLX's bundled reference BLAS"
     assert got["reason"].startswith(f"{fake}: ")  # the loader's own error for that file
     assert got["product"] == mkl["product"]
+
+
+@needs_fast_blas
+def test_a_blas_already_preloaded_is_reported_not_loaded_again():
+    found = zoo_cpu.blas._mkl()
+    if not found:
+        pytest.skip("the mkl wheel is not installed")
+    mkl = found[0][1]
+    got = run(PROBE.format(first="zoo_cpu"), {"LD_PRELOAD": str(mkl)})
+    assert got["loaded"] and got["name"] == "Intel oneMKL" and got["path"] == str(mkl)
+    assert got["reason"] == "already in the process before the zoo loaded one (LD_PRELOAD?)"

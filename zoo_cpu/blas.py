@@ -156,8 +156,6 @@ def _candidates(setting: str) -> list[tuple[str, Path | str]]:
         return _mkl()
     if setting == "openblas":
         return _openblas()
-    if setting == "off":
-        return []
     path = Path(setting).expanduser()
     return [(path.name, path)] if path.is_file() else []
 
