@@ -224,8 +224,8 @@ def test_replaced_head_weight_is_never_read_from_stale_blocks(checkpoints):
 
 def test_the_memory_rule_keeps_quantized_weights_that_would_not_fit_dequantized(monkeypatch):
     graph = nn.Sequential(nn.Linear(64, 64))  # 16,640 float32 bytes with its bias
-    monkeypatch.setattr(plan, "physical_memory", lambda: 10_000)
+    monkeypatch.setattr(precision, "physical_memory", lambda: 10_000)
     choice, why = precision._memory_rule(graph, [])
     assert choice == "fp32-scales" and why.startswith(f"dequantized it would take 0.0 GiB, over {precision.MEMORY_SHARE:.0%} of 0 GiB")
-    monkeypatch.setattr(plan, "physical_memory", lambda: None)  # unknown: dequantize
+    monkeypatch.setattr(precision, "physical_memory", lambda: None)  # unknown: dequantize
     assert precision._memory_rule(graph, [])[0] == "dequantize"
