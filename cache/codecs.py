@@ -36,9 +36,6 @@ class Dense(Codec):
 
     quantized = False
 
-    def config(self) -> dict:
-        return {}
-
     def check(self, read: str, k: mx.array, v: mx.array) -> None:
         pass
 
@@ -94,17 +91,12 @@ class Quantized(Codec):
             raise ValueError(f"kv_group_size must be one of {self.GROUP_SIZES}, got {group_size}")
         self.bits, self.group_size = int(bits), int(group_size)
 
-    def config(self) -> dict:
-        return {"bits": self.bits, "group_size": self.group_size}
-
     def check(self, read: str, k: mx.array, v: mx.array) -> None:
         for name, x in (("k", k), ("v", v)):
             if x.shape[-1] % self.group_size:
                 raise ValueError(
                     f"{read}: {name} head dim {x.shape[-1]} is not a multiple of kv_group_size {self.group_size}"
                 )
-            if not mx.issubdtype(x.dtype, mx.floating):
-                raise ValueError(f"{read}: {name} must be floating point to be quantized, got {x.dtype}")
 
     def check_planes(self, where: str, name: str, planes) -> tuple[Planes, tuple]:
         """Stored planes from outside (a state): raise ``ValueError`` unless they are (packed uint32,

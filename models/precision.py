@@ -72,7 +72,7 @@ class Precision:
 def fast_cpu_blas() -> bool:
     """True where MLX's float32 CPU matmuls go through a fast BLAS."""
     if sys.platform == "darwin":
-        return True  # Accelerate
+        return True  # pragma: no cover - macOS only: Accelerate
     return bool(zoo_cpu.blas.info()["loaded"])
 
 

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import models  # noqa: E402
+from models.checks import NoTokenizerError  # noqa: E402
 from models.generation.batch import BatchGenerator, BatchRequest  # noqa: E402
 from models.generation.generate import KVQuantization, SamplingOptions, generate_tokens  # noqa: E402
 from models.generation.prompts import Prompt  # noqa: E402
@@ -155,6 +156,28 @@ def test_bad_requests_are_named_and_do_not_disturb_the_batch(gemma4):
     errors = [e for e in events if e.finish_reason == "error"]
     assert [e.request_id for e in errors] == [image] and "text model" in errors[0].error
     assert [e.token for e in events if e.request_id == good and e.token is not None] == alone(gemma4, [2, 5, 6], SamplingOptions(), 4)
+
+
+def test_misused_requests_are_named_and_a_queued_request_can_be_cancelled(gemma4):
+    generator = BatchGenerator(gemma4, max_batch=1)
+    with pytest.raises(TypeError, match="submit: takes a BatchRequest, got list"):
+        generator.submit([2, 5])
+    with pytest.raises(TypeError, match="submit: sampling must be SamplingOptions, got dict"):
+        generator.submit(BatchRequest([2, 5], sampling={"temp": 0.5}))
+    with pytest.raises(ValueError, match="a Prompt already carries its media"):
+        generator.submit(BatchRequest(Prompt([2, 5]), images=["/nonexistent.png"]))
+    first = generator.submit(BatchRequest([2, 5, 6], max_tokens=3, stop_ids=frozenset()))
+    queued = generator.submit(BatchRequest([2, 7], max_tokens=3))
+    assert generator.waiting == 2
+    assert generator.cancel(queued)
+    events = []
+    while generator.busy:
+        events += generator.step()
+    assert [(e.request_id, e.finish_reason) for e in events if e.finish_reason] == [(queued, "cancelled"), (first, "length")]
+    with pytest.raises(ValueError, match="request 1: .*text model"):
+        BatchGenerator(gemma4).run([BatchRequest([2, 5], max_tokens=2), BatchRequest([2, 5], max_tokens=2, images=["/x.png"])])
+    with pytest.raises(NoTokenizerError, match="batch_generate \\(which returns text\\)"):
+        gemma4.batch_generate([[2, 5]])
 
 
 def _bad_top_p():

@@ -131,3 +131,31 @@ def test_fast_blas_is_much_faster_than_the_reference():
     fast = run(code)["gflops"]
     slow = run(code, {zoo_cpu.blas.ENV: "off"})["gflops"]
     assert fast > 3 * slow, (fast, slow)
+
+
+@needs_fast_blas
+def test_each_named_choice_and_a_file_that_is_no_blas(tmp_path):
+    mkl = run(PROBE.format(first="zoo_cpu"), {zoo_cpu.blas.ENV: "mkl"})
+    assert mkl["loaded"] == bool(zoo_cpu.blas._mkl()) and mkl["line"].startswith("BLAS: ")
+    openblas = run(PROBE.format(first="zoo_cpu"), {zoo_cpu.blas.ENV: "openblas"})
+    if zoo_cpu.blas._openblas():
+        assert openblas["loaded"] and openblas["name"] == "OpenBLAS"
+    else:
+        assert not openblas["loaded"] and openblas["reason"] == f"{zoo_cpu.blas.ENV}=openblas: not installed"
+    fake = tmp_path / "libfake.so"
+    fake.write_text("not a shared library")
+    got = run(PROBE.format(first="zoo_cpu"), {zoo_cpu.blas.ENV: str(fake)})
+    assert not got["loaded"] and got["name"] == "MLX's bundled reference BLAS"
+    assert got["reason"].startswith(f"{fake}: ")  # the loader's own error for that file
+    assert got["product"] == mkl["product"]
+
+
+@needs_fast_blas
+def test_a_blas_already_preloaded_is_reported_not_loaded_again():
+    found = zoo_cpu.blas._mkl()
+    if not found:
+        pytest.skip("the mkl wheel is not installed")
+    mkl = found[0][1]
+    got = run(PROBE.format(first="zoo_cpu"), {"LD_PRELOAD": str(mkl)})
+    assert got["loaded"] and got["name"] == "Intel oneMKL" and got["path"] == str(mkl)
+    assert got["reason"] == "already in the process before the zoo loaded one (LD_PRELOAD?)"

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import models  # noqa: F401  (loads the fast BLAS before MLX runs)
 from cache import BatchCache, KVCache, RotatingKVCache, advance, batch_caches
+from cache.batch import BatchSharedView
 from tests.test_cache_reads import Driver
 
 HKV, GROUPS, D, DV, SCALE = 2, 2, 32, 32, 0.2
@@ -136,6 +137,20 @@ def test_mismatched_rows_are_named():
         BatchCache([RotatingKVCache(4), RotatingKVCache(8)])
     with pytest.raises(ValueError, match="row 1 has 1 layer caches"):
         batch_caches([[KVCache(), KVCache()], [KVCache()]])
+    with pytest.raises(ValueError, match="BatchCache: a batch needs at least one row"):
+        BatchCache([])
+    with pytest.raises(TypeError, match="BatchCache: row 1 must be an owning AttentionCache, got SharedView"):
+        BatchCache([KVCache(), KVCache().shared_view()])
+    with pytest.raises(TypeError, match="BatchSharedView: the donor must be a BatchCache, got KVCache"):
+        BatchSharedView(KVCache())
+    with pytest.raises(ValueError, match="batch_caches: no rows"):
+        batch_caches([])
+    full = KVCache()
+    with pytest.raises(ValueError, match="layer 1 is a shared view in some rows and not in others"):
+        batch_caches([[full, full.shared_view()], [KVCache(), KVCache()]])
+    other, own = KVCache(), KVCache()
+    with pytest.raises(ValueError, match="layer 1's shared views do not all read the same earlier layer of their row"):
+        batch_caches([[own, own.shared_view()], [KVCache(), other.shared_view()]])
     batch = BatchCache([KVCache(), KVCache()])
     q = mx.zeros((3, 2, 1, 8))
     with pytest.raises(ValueError, match="batch's 2 rows"):

@@ -58,6 +58,10 @@ BAD_CALLS = [
     ("trim past stored", lambda c: c.trim(6), "trim"),
     ("trim negative", lambda c: c.trim(-1), "non-negative"),
     ("canvas shape", lambda c: c.canvas(*arrays(Dk=4), scale=1.0), "head dim"),
+    ("q batch", lambda c: c.window(arrays(B=2)[0], *arrays()[1:], scale=1.0), "batch size of k 1 / v 1 must equal q's 2"),
+    ("no position", lambda c: c.window(*arrays(L=0), scale=1.0), "at least 1 new position, got L=0"),
+    ("mixed dtypes", lambda c: c.window(arrays(dtype=mx.float16)[0], *arrays()[1:], scale=1.0), "share one dtype, got mlx.core.float16, mlx.core.float32"),
+    ("not an array", lambda c: c.window(np.zeros((1, 2, 3, D), np.float32), *arrays()[1:], scale=1.0), "q must be an mx.array, got ndarray"),
 ]
 
 
@@ -346,3 +350,22 @@ def test_codecs_pack_and_unpack():
     for codec in (Dense(), Quantized(8, 32)):
         assert not hasattr(codec, "encode") and not hasattr(codec, "decode")
         assert mx.allclose(codec.unpack(codec.pack(x)), x, atol=0.05).item()
+
+
+def test_reads_are_named_and_take_blocks_only_where_they_need_them():
+    from cache.reads import Read
+
+    with pytest.raises(ValueError, match="Read: unknown read 'prefill'; the reads are decode, window"):
+        Read("prefill")
+    with pytest.raises(ValueError, match="Read 'encoder': blocks are required"):
+        Read("encoder")
+    with pytest.raises(ValueError, match="Read 'window': blocks are not taken"):
+        Read("window", mx.zeros((1, 3), dtype=mx.int32))
+
+
+def test_blocks_may_be_given_as_a_list():
+    as_list, as_array = primed("full"), primed("full")
+    q, k, v = (mx.random.normal(x.shape, key=mx.random.key(i)) for i, x in enumerate(arrays()))
+    got = as_list.vision_prefill(q, k, v, [[0, 0, -1]], scale=1.0)
+    want = as_array.vision_prefill(q, k, v, mx.array([[0, 0, -1]]), scale=1.0)
+    assert mx.array_equal(got, want).item()

@@ -114,7 +114,12 @@ def test_rope_tables_are_shared_per_positions_and_proportional_pairs_stay():
 @pytest.mark.parametrize("mask_kind", [None, "causal", "causal, cached", "window", "blocks"])
 @pytest.mark.parametrize("heads", [(4, 1), (4, 2), (2, 2)])
 @pytest.mark.parametrize("rows_per_block", [None, 1, 4])
-def test_attend_on_the_cpu_equals_mlx_fused_attention(mask_kind, heads, rows_per_block, monkeypatch):
+@pytest.mark.parametrize("prefill_kernels", [False, True], ids=["blocks", "kernels"])
+def test_attend_on_the_cpu_equals_mlx_fused_attention(mask_kind, heads, rows_per_block, prefill_kernels, monkeypatch):
+    """Both ways the CPU plan attends a prompt: the extension's prefill kernel where it takes the read,
+    and the query blocks of ``fast_math`` (what runs without the extension, or for a mask it does not take)."""
+    if prefill_kernels and not backend.for_cpu().prefill:
+        pytest.skip("the prefill kernels are not built or switched off")
     Hq, Hkv = heads
     B, L, D = 2, 13, 16
     T = {"causal": L, "causal, cached": L + 6}.get(mask_kind, 20)
@@ -130,7 +135,8 @@ def test_attend_on_the_cpu_equals_mlx_fused_attention(mask_kind, heads, rows_per
         "window": (kpos <= qpos) & (kpos > qpos - 4),
         "blocks": mx.broadcast_to(((kpos <= qpos) | (kpos < 3))[None, None], (B, 1, L, T)),
     }[mask_kind]
-    got = attend(q, k, v, 0.25, mask)
+    with backend.using(backend.Backend(True, prefill=prefill_kernels)):
+        got = attend(q, k, v, 0.25, mask)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     assert got.shape == want.shape and float(mx.abs(got - want).max()) < 2e-6
 

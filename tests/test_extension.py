@@ -52,3 +52,42 @@ def test_a_model_still_loads_says_why_and_matches_the_reference(built_for_anothe
     want = hf_tiny.float64_logits(transformers.Gemma4ForCausalLM.from_pretrained(tmp_path / "t1").eval(), ids)
     got = np.array(model.logits(mx.array(ids)))
     assert np.abs(got - want).max() < 1e-4
+
+
+@pytest.fixture
+def fresh_status(monkeypatch):
+    """``extension.status()`` is worked out afresh in the test and forgotten after it."""
+    monkeypatch.setattr(extension, "_status", None)
+    yield
+    monkeypatch.setattr(extension, "_status", None)
+
+
+def test_a_missing_or_failed_build_record_says_why(fresh_status, tmp_path, monkeypatch):
+    monkeypatch.setattr(extension, "BUILD_FILE", tmp_path / "_build.json")
+    assert extension.status().note == "not built (_build.json is missing: reinstall with `pip install -e .`)"
+    (tmp_path / "_build.json").write_text(json.dumps({"built": False, "reason": "no C++ compiler"}))
+    monkeypatch.setattr(extension, "_status", None)
+    assert extension.status().note == "not built at install time: no C++ compiler"
+    assert not extension.available()
+
+
+def test_a_built_module_that_does_not_import_says_how_to_rebuild(fresh_status, tmp_path, monkeypatch):
+    record = tmp_path / "_build.json"
+    record.write_text(json.dumps({"built": True, "mlx": mx.__version__}))
+    monkeypatch.setattr(extension, "BUILD_FILE", record)
+    monkeypatch.setattr(extension, "MODULE", "zoo_cpu._no_such_extension")
+    status = extension.status()
+    assert status.module is None and status.note.startswith("the built extension does not load (No module named")
+    assert extension.REBUILD in status.note
+
+
+def test_without_fast_math_the_cpu_plan_runs_mlx_ops():
+    with pytest.raises(ValueError, match="need it on"):
+        backend.Backend(False, prefill=True)
+    from zoo_cpu import switches
+
+    with switches.override(GEMMA_ZOO_FAST_MATH=False):
+        assert backend.for_cpu() is backend.MLX
+        assert backend.MLX.describe() == ["CPU math: MLX's own ops (GEMMA_ZOO_FAST_MATH=0)"]
+    with switches.override(GEMMA_ZOO_FAST_MATH=True):
+        assert backend.MLX.describe() == ["CPU math: MLX's own ops"]

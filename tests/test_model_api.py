@@ -217,3 +217,13 @@ def test_generation_limits_and_kv_settings_are_named_errors(checkpoint):
     KVQuantization(8, 32).check_model(model.config)
     with pytest.raises(ValueError, match="group_size=64.*head dims \\[32, 64\\]"):
         KVQuantization(8, 64).check_model(model.config)
+
+
+def test_sampling_given_twice_and_media_beside_a_prompt_are_refused(checkpoint):
+    from models.generation.prompts import Prompt
+
+    model = models.load(str(checkpoint[0]), tokenizer=False)
+    with pytest.raises(ValueError, match=r"pass either sampling=SamplingOptions\(...\) or sampling keywords, not both \(got \['temp'\]\)"):
+        next(model.stream([2, 5], max_tokens=2, sampling=SamplingOptions(), temp=0.5))
+    with pytest.raises(ValueError, match="stream: a Prompt already carries its media"):
+        next(model.stream(Prompt([2, 5]), images=["/nonexistent.png"]))

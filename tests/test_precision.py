@@ -220,3 +220,12 @@ def test_replaced_head_weight_is_never_read_from_stale_blocks(checkpoints):
     graph.embed_tokens.weight = graph.embed_tokens.weight * 2  # e.g. new weights loaded
     want = graph.embed_tokens.as_linear(h)
     assert mx.array_equal(graph.head_product(h), want).item()
+
+
+def test_the_memory_rule_keeps_quantized_weights_that_would_not_fit_dequantized(monkeypatch):
+    graph = nn.Sequential(nn.Linear(64, 64))  # 16,640 float32 bytes with its bias
+    monkeypatch.setattr(precision, "physical_memory", lambda: 10_000)
+    choice, why = precision._memory_rule(graph, [])
+    assert choice == "fp32-scales" and why.startswith(f"dequantized it would take 0.0 GiB, over {precision.MEMORY_SHARE:.0%} of 0 GiB")
+    monkeypatch.setattr(precision, "physical_memory", lambda: None)  # unknown: dequantize
+    assert precision._memory_rule(graph, [])[0] == "dequantize"

@@ -83,10 +83,10 @@ def describe() -> str:
 def _preload() -> dict:
     setting = switches.value(ENV)  # ValueError for a value it does not know
     if sys.platform != "linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return _none("MLX's own BLAS", f"{sys.platform}/{platform.machine()}: nothing to replace")
+        return _none("MLX's own BLAS", f"{sys.platform}/{platform.machine()}: nothing to replace")  # pragma: no cover - not Linux x86-64 (macOS: Accelerate)
     build = _mlx_build()
     if build != "cpu":
-        return _none("MLX's own BLAS", build)
+        return _none("MLX's own BLAS", build)  # pragma: no cover - MLX's CUDA build, or MLX without the mlx-cpu wheel
     present = _already_mapped()
     if present:
         return {"name": present[0], "version": None, "path": present[1], "loaded": True, "warning": None,
@@ -130,20 +130,20 @@ def _mlx_build() -> str:
     """``"cpu"`` for the ``mlx[cpu]`` wheel with its bundled BLAS, else why there is nothing to do."""
     for dist in ("mlx-cuda-12", "mlx-cuda-13", "mlx-cuda"):
         if _has_dist(dist):
-            return "MLX's CUDA build"
+            return "MLX's CUDA build"  # pragma: no cover - MLX's CUDA build
     try:
         files = metadata.files("mlx-cpu") or []
-    except metadata.PackageNotFoundError:
+    except metadata.PackageNotFoundError:  # pragma: no cover - MLX built from source
         return "no mlx-cpu wheel (MLX built from source, or not installed)"
     if any("mlx_cpu.libs/libblas" in str(f) for f in files):
         return "cpu"
-    return "this mlx-cpu wheel has no bundled reference BLAS"
+    return "this mlx-cpu wheel has no bundled reference BLAS"  # pragma: no cover - an mlx-cpu wheel without its reference BLAS
 
 
 def _has_dist(name: str) -> bool:
     try:
         metadata.distribution(name)
-        return True
+        return True  # pragma: no cover - a CUDA build of MLX installed
     except metadata.PackageNotFoundError:
         return False
 
@@ -156,8 +156,6 @@ def _candidates(setting: str) -> list[tuple[str, Path | str]]:
         return _mkl()
     if setting == "openblas":
         return _openblas()
-    if setting == "off":
-        return []
     path = Path(setting).expanduser()
     return [(path.name, path)] if path.is_file() else []
 
@@ -166,7 +164,7 @@ def _mkl() -> list[tuple[str, Path]]:
     """``libmkl_rt`` from the ``mkl`` wheel (it installs into ``<prefix>/lib``)."""
     try:
         files = metadata.files("mkl") or []
-    except metadata.PackageNotFoundError:
+    except metadata.PackageNotFoundError:  # pragma: no cover - no mkl wheel installed
         return []
     found = sorted(
         (Path(metadata.distribution("mkl").locate_file(f)) for f in files if Path(str(f)).name.startswith("libmkl_rt.so")),
@@ -188,10 +186,10 @@ def _version(name: str, lib) -> str | None:
             text = buf.value.decode(errors="replace")
             # "Intel(R) oneAPI Math Kernel Library Version 2026.2-Product Build ..."
             return text.split("Version", 1)[-1].split("Product")[0].strip(" -") or None
-        if name == "OpenBLAS":
+        if name == "OpenBLAS":  # pragma: no cover - OpenBLAS (no system OpenBLAS in the CI image)
             lib.openblas_get_config.restype = ctypes.c_char_p
             return lib.openblas_get_config().decode(errors="replace").split()[1]
-    except (AttributeError, IndexError, OSError):
+    except (AttributeError, IndexError, OSError):  # pragma: no cover - a BLAS without its version call
         pass
     return None
 
@@ -200,7 +198,7 @@ def _already_mapped() -> tuple[str, str] | None:
     """A fast BLAS already in this process (e.g. through ``LD_PRELOAD``), from ``/proc/self/maps``."""
     try:
         maps = Path("/proc/self/maps").read_text()
-    except OSError:
+    except OSError:  # pragma: no cover - no /proc (a sandbox)
         return None
     for marker, name in (("libmkl_rt", "Intel oneMKL"), ("libopenblas", "OpenBLAS")):
         for line in maps.splitlines():

@@ -50,9 +50,9 @@ def status() -> Status:
 
 def _load() -> Status:
     if sys.platform == "darwin":
-        return Status(None, "not built on macOS (MLX uses Metal and Accelerate there)")
+        return Status(None, "not built on macOS (MLX uses Metal and Accelerate there)")  # pragma: no cover - macOS only
     if mx.metal.is_available() or mx.cuda.is_available():
-        return Status(None, "MLX's GPU build is installed: the zoo's CPU kernels are for MLX's CPU build")
+        return Status(None, "MLX's GPU build is installed: the zoo's CPU kernels are for MLX's CPU build")  # pragma: no cover - MLX's Metal or CUDA build only
     if not BUILD_FILE.is_file():
         return Status(None, f"not built ({BUILD_FILE.name} is missing: reinstall with `pip install -e .`)")
     info = json.loads(BUILD_FILE.read_text(encoding="utf-8"))

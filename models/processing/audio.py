@@ -29,7 +29,6 @@ cut mid-word is the caller's decision, not ours), ``NonFiniteAudioError`` (NaN o
 from __future__ import annotations
 
 import io
-import math
 import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence, Tuple, Union
@@ -285,8 +284,3 @@ class Gemma4AudioProcessor:
     def __call__(self, audio: Sequence[AudioInput]) -> list[ProcessedAudio]:
         return [self.process(a) for a in audio]
 
-
-def duration_tokens(seconds: float, ms_per_token: int = PROCESSOR_DEFAULTS["audio_ms_per_token"]) -> int:
-    """``ceil(duration_ms / audio_ms_per_token)``: the processor's documented estimate (the written
-    count is ``audio_soft_tokens`` of the frames, which can differ by one)."""
-    return math.ceil(seconds * 1000 / ms_per_token)
