@@ -206,3 +206,27 @@ def _rope_parameters(text: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             out["factor"] = float(factor)
         resolved[layer_type] = out
     return resolved
+
+
+def mlx_lm_keys(config: Gemma3TextConfig) -> dict[str, Any]:
+    """The flat keys mlx-lm's ``gemma3_text`` reads where transformers 5 writes ``layer_types`` and
+    ``rope_parameters``: ``rope_theta``, ``rope_local_base_freq``, ``rope_scaling`` (linear RoPE) and
+    ``sliding_window_pattern`` (when the full layers have one period)."""
+    keys: dict[str, Any] = {
+        "rope_theta": config.rope_parameters[FULL]["rope_theta"],
+        "rope_local_base_freq": config.rope_parameters[SLIDING]["rope_theta"],
+    }
+    if config.rope_parameters[FULL]["rope_type"] == "linear":
+        keys["rope_scaling"] = {"rope_type": "linear", "factor": config.rope_parameters[FULL]["factor"]}
+    pattern = _mlx_lm_pattern(config.layer_types)
+    if pattern is not None:
+        keys["sliding_window_pattern"] = pattern
+    return keys
+
+
+def _mlx_lm_pattern(layer_types) -> int | None:
+    """The period p with layer i full iff ``i % p == p - 1`` (how mlx-lm's gemma3 places full layers), if any."""
+    for p in range(1, len(layer_types) + 1):
+        if all((t == FULL) == (i % p == p - 1) for i, t in enumerate(layer_types)):
+            return p
+    return None

@@ -354,3 +354,15 @@ def _rope_parameters(given, layer_types: tuple[str, ...]) -> dict[str, dict[str,
                 check_value(entry[name], kind, f"rope_parameters[{layer_type!r}].{name}", OWNER)
         resolved[layer_type] = entry
     return resolved
+
+
+def mlx_lm_keys(config: Gemma4TextConfig) -> dict[str, Any]:
+    """The flat keys mlx-lm's ``gemma4_text`` reads where transformers 5 writes ``per_layer_config``:
+    ``global_head_dim`` and ``num_global_key_value_heads``, when every full layer shares one value."""
+    full = [i for i, t in enumerate(config.layer_types) if t == FULL]
+    keys: dict[str, Any] = {}
+    if full and len({config.layer_head_dims[i] for i in full}) == 1:
+        keys["global_head_dim"] = config.layer_head_dims[full[0]]
+    if full and config.attention_k_eq_v and len({config.layer_kv_heads[i] for i in full}) == 1:
+        keys["num_global_key_value_heads"] = config.layer_kv_heads[full[0]]
+    return keys
