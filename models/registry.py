@@ -295,8 +295,9 @@ def _gemma4_unified(config: Mapping[str, Any], weight_names: Collection[str]) ->
     import dataclasses
 
     from graphs.gemma4_unified import Gemma4UnifiedModel
-    from graphs.gemma4_unified_config import Gemma4UnifiedConfig
+    from graphs.gemma4_unified_config import Gemma4UnifiedConfig, unified_text_config
     from weights.gemma4_unified_keys import has_audio_weights, has_vision_weights
+    from weights.layouts import causal_lm_layout
 
     drop = {}
     for part, present in (("vision", has_vision_weights(weight_names)), ("audio", has_audio_weights(weight_names))):
@@ -306,8 +307,6 @@ def _gemma4_unified(config: Mapping[str, Any], weight_names: Collection[str]) ->
 
     def parse(raw: Mapping[str, Any]):
         return dataclasses.replace(Gemma4UnifiedConfig.from_dict(raw), **drop)
-
-    from weights.layouts import causal_lm_layout
 
     return Architecture(
         parse, Gemma4UnifiedModel, load_gemma4_unified_weights, causal_lm_layout,
