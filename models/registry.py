@@ -296,8 +296,8 @@ def _gemma4_unified(config: Mapping[str, Any], weight_names: Collection[str]) ->
 
     from graphs.gemma4_unified import Gemma4UnifiedModel
     from graphs.gemma4_unified_config import Gemma4UnifiedConfig, unified_text_config
+    from weights.gemma4_multimodal_keys import multimodal_layout
     from weights.gemma4_unified_keys import has_audio_weights, has_vision_weights
-    from weights.layouts import causal_lm_layout
 
     drop = {}
     for part, present in (("vision", has_vision_weights(weight_names)), ("audio", has_audio_weights(weight_names))):
@@ -309,7 +309,7 @@ def _gemma4_unified(config: Mapping[str, Any], weight_names: Collection[str]) ->
         return dataclasses.replace(Gemma4UnifiedConfig.from_dict(raw), **drop)
 
     return Architecture(
-        parse, Gemma4UnifiedModel, load_gemma4_unified_weights, causal_lm_layout,
+        parse, Gemma4UnifiedModel, load_gemma4_unified_weights, multimodal_layout,
         _gemma4_peer(True, unified_text_config, "mlx-vlm", _UNIFIED_NOTES), processors="gemma4_unified",
     )  # fmt: skip
 
