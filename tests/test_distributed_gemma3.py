@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from models.generation.generate import SamplingOptions  # noqa: E402
 from tests import hf_tiny  # noqa: E402
 from tests.distributed_tiny import NEAR, assert_logits_of, launch, results, same_on_every_rank, single, worst  # noqa: E402
 
@@ -57,7 +58,10 @@ def two_ranks(tiny):
 
 
 def greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
-    return [c.token for c in model.stream(prompt, max_tokens=max_tokens, prefill_step_size=64) if c.token is not None]
+    """Greedy tokens, as the ranks' jobs ask for them (explicit ``SamplingOptions()``: the 270M's
+    generation_config.json would otherwise sample)."""
+    stream = model.stream(prompt, max_tokens=max_tokens, prefill_step_size=64, sampling=SamplingOptions())
+    return [c.token for c in stream if c.token is not None]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -77,10 +81,11 @@ def test_greedy_generation_of_two_ranks(two_ranks, tiny, mode):
 def test_real_gemma3_270m_on_two_ranks(tmp_path):
     """The zoo's Gemma 3 270M (float32, fetched by the project's asset code): both plans give the
     single process's greedy tokens and, within ``NEAR``, its logits."""
+    import models
     from models.assets.gemma3_270m import gemma3_270m_folder
 
     folder = gemma3_270m_folder()
-    model = single(folder)
+    model = models.load(str(folder), dtype="float32")
     ids = model.tokenizer.encode("The capital of France is")
     jobs = []
     for mode in MODES:
