@@ -10,7 +10,7 @@ kind with a ``ConfigError`` naming the owner, the key, the value and what was ex
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
 
@@ -64,6 +64,26 @@ def check_value(value: Any, kind: Kind, key: str, owner: str) -> Any:
     if kind.limit is not None and _is_int(value) and value >= kind.limit:
         raise ConfigError(f"{owner}: {key} is {value}; it must be below 2**31 (MLX's array dimensions are 32-bit)")
     return value
+
+
+def setting(default: Any, kind: Kind, *, dataclass_default: bool = False) -> Any:
+    """A config dataclass field that ``config.json`` sets: transformers' ``default`` when the key is
+    absent and the ``kind`` it must be, declared once, on the field (``read_settings`` reads them).
+    ``dataclass_default`` also makes ``default`` the field's default when the class is built in code."""
+    metadata = {"default": default, "kind": kind}
+    return field(default=default, metadata=metadata) if dataclass_default else field(metadata=metadata)
+
+
+def settings(cls: type) -> dict[str, tuple[Any, Kind]]:
+    """``{name: (default, kind)}`` of the ``setting`` fields of dataclass ``cls``, in field order."""
+    return {f.name: (f.metadata["default"], f.metadata["kind"]) for f in fields(cls) if "kind" in f.metadata}
+
+
+def read_settings(section: Mapping[str, Any], cls: type, owner: str, names: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Every ``setting`` field of ``cls`` (or those of ``names``, when its fields sit in several
+    sections) from ``section``, its default when absent, each checked against its kind."""
+    declared = {k: v for k, v in settings(cls).items() if names is None or k in names}
+    return read_fields(section, {k: d for k, (d, _) in declared.items()}, {k: kind for k, (_, kind) in declared.items()}, owner)
 
 
 def read_fields(section: Mapping[str, Any], defaults: Mapping[str, Any], kinds: Mapping[str, Kind], owner: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from graphs.config import (
-    BOOL, POSITIVE_FLOAT, POSITIVE_INT, TOKEN_ID, ConfigError, Kind, check_value, optional, read_fields, text_section,
+    BOOL, POSITIVE_FLOAT, POSITIVE_INT, TOKEN_ID, ConfigError, Kind, check_value, optional, read_settings, setting, text_section,
 )
 from graphs.gemma4_text_config import Gemma4TextConfig
 from graphs.gemma4_vision_config import Gemma4VisionConfig
@@ -33,20 +33,12 @@ _HARD_WIRED = dict(
 )
 _IGNORED_TEXT_FIELDS = (*_HARD_WIRED, "vocab_size_per_layer_input", "use_cache")
 DEFAULT_SOFTCAP = 30.0  # a class attribute of DiffusionGemmaTextConfig, not written to config.json
-_MODEL_DEFAULTS = dict(
-    canvas_length=256, image_token_id=258_880, boi_token_id=255_999, eoi_token_id=258_882, tie_word_embeddings=True
-)
-_MODEL_KINDS = dict(
-    canvas_length=POSITIVE_INT, image_token_id=TOKEN_ID, boi_token_id=optional(TOKEN_ID), eoi_token_id=optional(TOKEN_ID),
-    tie_word_embeddings=BOOL,
-)
-# The special ids the text config names (transformers' DiffusionGemmaTextConfig defaults).
-_TEXT_ID_DEFAULTS = dict(pad_token_id=0, bos_token_id=2, eos_token_id=1)
 _TOKEN_IDS = Kind(
     "a token id, a list of token ids or null",
     lambda v: v is None or TOKEN_ID.accepts(v) or (isinstance(v, list) and all(TOKEN_ID.accepts(i) for i in v)),
 )
-_TEXT_ID_KINDS = dict(pad_token_id=optional(TOKEN_ID), bos_token_id=optional(TOKEN_ID), eos_token_id=_TOKEN_IDS)
+# The special ids the text config names (transformers' DiffusionGemmaTextConfig defaults); the other settings are the top level's.
+_TEXT_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 OWNER = "DiffusionGemmaConfig"
 
 
@@ -60,13 +52,13 @@ class DiffusionGemmaConfig:
 
     text: Gemma4TextConfig
     vision: Gemma4VisionConfig | None
-    canvas_length: int
-    image_token_id: int
-    boi_token_id: int | None
-    eoi_token_id: int | None
-    pad_token_id: int | None
-    bos_token_id: int | None
-    eos_token_id: tuple[int, ...]
+    canvas_length: int = setting(256, POSITIVE_INT)
+    image_token_id: int = setting(258_880, TOKEN_ID)
+    boi_token_id: int | None = setting(255_999, optional(TOKEN_ID))
+    eoi_token_id: int | None = setting(258_882, optional(TOKEN_ID))
+    pad_token_id: int | None = setting(0, optional(TOKEN_ID))
+    bos_token_id: int | None = setting(2, optional(TOKEN_ID))
+    eos_token_id: tuple[int, ...] = setting(1, _TOKEN_IDS)
 
     @property
     def vision_overlay(self) -> bool:
@@ -80,14 +72,14 @@ class DiffusionGemmaConfig:
         if not isinstance(raw, Mapping) or raw.get("model_type") != "diffusion_gemma":
             found = raw.get("model_type") if isinstance(raw, Mapping) else raw
             raise ConfigError(f"DiffusionGemmaConfig: unsupported model_type {found!r}; expected 'diffusion_gemma'")
-        model = read_fields(raw, _MODEL_DEFAULTS, _MODEL_KINDS, OWNER)
-        if model.pop("tie_word_embeddings") is False:
+        model = read_settings(raw, cls, OWNER, ("canvas_length", "image_token_id", "boi_token_id", "eoi_token_id"))
+        if check_value(raw.get("tie_word_embeddings", True), BOOL, "tie_word_embeddings", OWNER) is False:
             raise ValueError(
                 "DiffusionGemmaConfig: tie_word_embeddings=False unties the encoder from the decoder (two weight "
                 "sets); only the released tied layout is implemented"
             )
         text = text_section(raw, "diffusion_gemma", "diffusion_gemma_text", OWNER)
-        ids = read_fields(text, _TEXT_ID_DEFAULTS, _TEXT_ID_KINDS, OWNER)
+        ids = read_settings(text, cls, OWNER, _TEXT_IDS)
         if text.get("use_bidirectional_attention") == "all":
             raise ValueError(
                 "DiffusionGemmaConfig: use_bidirectional_attention='all' (a bidirectional encoder) is not implemented; "

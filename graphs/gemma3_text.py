@@ -117,11 +117,21 @@ class Gemma3TextModel(VocabularyHead, CheckedCaches, nn.Module):
         self.check_cache(cache)
         offset = cache[0].offset  # read before any layer writes
         read = Read.decode() if input_ids.shape[1] == 1 else Read.window()
-        h = self.embed(input_ids)
-        for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, layer_cache, offset, read)
+        h = self.run_layers(self.embed(input_ids), None, cache, offset, read, range(len(self.layers)))
         h = self.norm(h[:, -1:] if last_only else h)
         return self.logits(h)
+
+    def run_layers(self, h, per_layer_inputs, cache: list, offset, read: Read, layers: range, need: str = "all"):
+        """The layer loop: layers ``layers`` on ``h``, each on its cache (``cache`` holds theirs, in
+        order), all reading at ``offset``. A pipeline stage (``models.parallel.pipeline``) runs its range.
+
+        The signature is Gemma 4's (``Gemma4TextModel.run_layers``); Gemma 3 has no per-layer inputs
+        (``per_layer_inputs`` is None) and no KV-shared layers, so every ``need`` runs every layer."""
+        if per_layer_inputs is not None:
+            raise ValueError("Gemma 3 has no per-layer inputs")
+        for i, layer_cache in zip(layers, cache):
+            h = self.layers[i](h, layer_cache, offset, read)
+        return h
 
     def embed(self, input_ids: mx.array) -> mx.array:
         """``E[ids] * sqrt(H)``, the scale cast to the weights' dtype first (bf16 rounds it, as the reference does)."""

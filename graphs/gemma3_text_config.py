@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from graphs.config import (
-    BOOL, POSITIVE_FLOAT, POSITIVE_INT, TEXT, ConfigError, Kind, check_value, optional, read_fields, text_section,
+    BOOL, POSITIVE_FLOAT, POSITIVE_INT, TEXT, ConfigError, check_value, optional, read_settings, setting, text_section,
 )
 
 OWNER = "Gemma3TextConfig"
@@ -29,42 +29,6 @@ DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}
 # transformers reads the period from the ``sliding_window_pattern`` kwarg only (default 6).
 DEFAULT_SLIDING_WINDOW_PATTERN = 6
 
-# transformers' dataclass defaults for every field the graph reads.
-_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=262_208,
-    hidden_size=2304,
-    intermediate_size=9216,
-    num_hidden_layers=26,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=256,
-    hidden_activation="gelu_pytorch_tanh",
-    max_position_embeddings=131_072,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    attention_bias=False,
-    query_pre_attn_scalar=256,
-    sliding_window=4096,
-    final_logit_softcapping=None,
-)
-# What each field may hold (graphs.config): a wrong kind is refused naming the key, not run.
-_KINDS: dict[str, Kind] = dict(
-    vocab_size=POSITIVE_INT,
-    hidden_size=POSITIVE_INT,
-    intermediate_size=POSITIVE_INT,
-    num_hidden_layers=POSITIVE_INT,
-    num_attention_heads=POSITIVE_INT,
-    num_key_value_heads=POSITIVE_INT,
-    head_dim=POSITIVE_INT,
-    hidden_activation=TEXT,
-    max_position_embeddings=POSITIVE_INT,
-    rms_norm_eps=POSITIVE_FLOAT,
-    tie_word_embeddings=BOOL,
-    attention_bias=BOOL,
-    query_pre_attn_scalar=POSITIVE_FLOAT,
-    sliding_window=optional(POSITIVE_INT),  # null only without sliding layers (checked in _validate)
-    final_logit_softcapping=optional(POSITIVE_FLOAT),
-)
 
 # Keys that change the maths in ways the graph does not build; a config that sets them is refused.
 _REFUSED = {
@@ -83,21 +47,21 @@ class Gemma3TextConfig:
     "factor": ...}`` (``factor`` only for linear).
     """
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    hidden_activation: str
-    max_position_embeddings: int
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    attention_bias: bool
-    query_pre_attn_scalar: float
-    sliding_window: int
-    final_logit_softcapping: float | None
+    vocab_size: int = setting(262_208, POSITIVE_INT)
+    hidden_size: int = setting(2304, POSITIVE_INT)
+    intermediate_size: int = setting(9216, POSITIVE_INT)
+    num_hidden_layers: int = setting(26, POSITIVE_INT)
+    num_attention_heads: int = setting(8, POSITIVE_INT)
+    num_key_value_heads: int = setting(4, POSITIVE_INT)
+    head_dim: int = setting(256, POSITIVE_INT)
+    hidden_activation: str = setting("gelu_pytorch_tanh", TEXT)
+    max_position_embeddings: int = setting(131_072, POSITIVE_INT)
+    rms_norm_eps: float = setting(1e-6, POSITIVE_FLOAT)
+    tie_word_embeddings: bool = setting(True, BOOL)
+    attention_bias: bool = setting(False, BOOL)
+    query_pre_attn_scalar: float = setting(256, POSITIVE_FLOAT)
+    sliding_window: int = setting(4096, optional(POSITIVE_INT))  # null only without sliding layers (checked in _validate)
+    final_logit_softcapping: float | None = setting(None, optional(POSITIVE_FLOAT))
     layer_types: tuple[str, ...]
     rope_parameters: Mapping[str, Mapping[str, Any]]
 
@@ -105,7 +69,7 @@ class Gemma3TextConfig:
     def from_dict(cls, raw: Mapping[str, Any]) -> "Gemma3TextConfig":
         """Parse a ``config.json`` dict: ``gemma3_text``, or ``gemma3`` with a ``text_config`` inside.
 
-        Every field is type-checked (``graphs.config.read_fields``); a wrong value raises
+        Every field is type-checked (``graphs.config.read_settings``); a wrong value raises
         ``ConfigError`` naming the key."""
         return cls._from_text_dict(text_section(raw, "gemma3", "gemma3_text", OWNER))
 
@@ -114,7 +78,7 @@ class Gemma3TextConfig:
         for key, inert in _REFUSED.items():
             if text.get(key, inert) not in (inert, None):
                 raise ValueError(f"Gemma3TextConfig: {key}={text[key]!r} is not supported by the graph (only {inert!r})")
-        fields = read_fields(text, _DEFAULTS, _KINDS, OWNER)
+        fields = read_settings(text, cls, OWNER)
         if fields["hidden_activation"] not in SUPPORTED_ACTIVATIONS:
             raise ValueError(
                 f"Gemma3TextConfig: unsupported hidden_activation {fields['hidden_activation']!r}; "
@@ -206,3 +170,27 @@ def _rope_parameters(text: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             out["factor"] = float(factor)
         resolved[layer_type] = out
     return resolved
+
+
+def mlx_lm_keys(config: Gemma3TextConfig) -> dict[str, Any]:
+    """The flat keys mlx-lm's ``gemma3_text`` reads where transformers 5 writes ``layer_types`` and
+    ``rope_parameters``: ``rope_theta``, ``rope_local_base_freq``, ``rope_scaling`` (linear RoPE) and
+    ``sliding_window_pattern`` (when the full layers have one period)."""
+    keys: dict[str, Any] = {
+        "rope_theta": config.rope_parameters[FULL]["rope_theta"],
+        "rope_local_base_freq": config.rope_parameters[SLIDING]["rope_theta"],
+    }
+    if config.rope_parameters[FULL]["rope_type"] == "linear":
+        keys["rope_scaling"] = {"rope_type": "linear", "factor": config.rope_parameters[FULL]["factor"]}
+    pattern = _mlx_lm_pattern(config.layer_types)
+    if pattern is not None:
+        keys["sliding_window_pattern"] = pattern
+    return keys
+
+
+def _mlx_lm_pattern(layer_types) -> int | None:
+    """The period p with layer i full iff ``i % p == p - 1`` (how mlx-lm's gemma3 places full layers), if any."""
+    for p in range(1, len(layer_types) + 1):
+        if all((t == FULL) == (i % p == p - 1) for i, t in enumerate(layer_types)):
+            return p
+    return None

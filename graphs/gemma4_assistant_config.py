@@ -14,25 +14,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from graphs.config import BOOL, POSITIVE_INT, ConfigError, read_fields
+from graphs.config import BOOL, POSITIVE_INT, ConfigError, read_settings, setting
 from graphs.gemma4_text_config import Gemma4TextConfig, LayerGeometry
 
 OWNER = "Gemma4AssistantConfig"
 MODEL_TYPE = "gemma4_assistant"
-
-_DEFAULTS: dict[str, Any] = dict(
-    backbone_hidden_size=1536,
-    use_ordered_embeddings=False,
-    num_centroids=2048,
-    centroid_intermediate_top_k=32,
-    tie_word_embeddings=True,
-)
-
-
-def _read_fields(raw: Mapping[str, Any]) -> dict[str, Any]:
-    kinds = {name: BOOL if isinstance(default, bool) else POSITIVE_INT for name, default in _DEFAULTS.items()}
-    return read_fields(raw, _DEFAULTS, kinds, OWNER)
-
 
 class DrafterMismatchError(ValueError):
     """A drafter that cannot draft for this target (the message names what differs)."""
@@ -43,11 +29,11 @@ class Gemma4AssistantConfig:
     """``text``: the decoder's ``Gemma4TextConfig``; the rest are the assistant's own fields."""
 
     text: Gemma4TextConfig
-    backbone_hidden_size: int
-    use_ordered_embeddings: bool
-    num_centroids: int
-    centroid_intermediate_top_k: int
-    tie_word_embeddings: bool
+    backbone_hidden_size: int = setting(1536, POSITIVE_INT)
+    use_ordered_embeddings: bool = setting(False, BOOL)
+    num_centroids: int = setting(2048, POSITIVE_INT)
+    centroid_intermediate_top_k: int = setting(32, POSITIVE_INT)
+    tie_word_embeddings: bool = setting(True, BOOL)
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "Gemma4AssistantConfig":
@@ -58,7 +44,7 @@ class Gemma4AssistantConfig:
         if not isinstance(text, Mapping) or text.get("model_type", "gemma4_text") != "gemma4_text":
             raise ConfigError(f"{OWNER}: text_config must be a gemma4_text config, got {text!r:.80}")
         text = dict(text, model_type="gemma4_text")
-        fields = _read_fields(raw)
+        fields = read_settings(raw, cls, OWNER)
         for name, allowed in (("hidden_size_per_layer_input", 0), ("enable_moe_block", False), ("use_double_wide_mlp", False)):
             if text.get(name, allowed) != allowed:
                 raise ConfigError(f"{OWNER}: text_config.{name} must be {allowed!r} in an assistant, got {text[name]!r}")

@@ -2,7 +2,7 @@
 
 E2B and E4B checkpoints carry an ``audio_config`` inside their ``gemma4`` config; transformers
 saves a bare ``Gemma4AudioModel`` as ``gemma4_audio``. Every field is type-checked
-(``graphs.config.read_fields``); values the graph does not implement (another activation, a
+(``graphs.config.read_settings``); values the graph does not implement (another activation, a
 subsampling stack that is not the reference's two convolutions) are refused here rather than run.
 
 ``MediaTokenIds`` are the ids that place audio and video in a prompt (the image ids live in
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from graphs.config import BOOL, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, TEXT, TOKEN_ID, ConfigError, Kind, read_fields
+from graphs.config import BOOL, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, TEXT, TOKEN_ID, ConfigError, Kind, read_fields, read_settings, setting
 
 OWNER = "Gemma4AudioConfig"
 
@@ -36,41 +36,6 @@ def _audio_section(raw: Mapping[str, Any]) -> dict[str, Any]:
 SUPPORTED_ACTIVATIONS = ("silu",)
 NUMBER = Kind("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
 
-# transformers 5.24's Gemma4AudioConfig defaults for every field the graph reads.
-_DEFAULTS: dict[str, Any] = dict(
-    hidden_size=1024,
-    num_hidden_layers=12,
-    num_attention_heads=8,
-    hidden_act="silu",
-    conv_kernel_size=5,
-    residual_weight=0.5,
-    attention_chunk_size=12,
-    attention_context_left=13,
-    attention_context_right=0,
-    attention_logit_cap=50.0,
-    attention_invalid_logits_value=-1.0e9,
-    use_clipped_linears=True,
-    rms_norm_eps=1e-6,
-    gradient_clipping=1e10,
-    output_proj_dims=1536,
-)
-_KINDS: dict[str, Kind] = dict(
-    hidden_size=POSITIVE_INT,
-    num_hidden_layers=POSITIVE_INT,
-    num_attention_heads=POSITIVE_INT,
-    hidden_act=TEXT,
-    conv_kernel_size=POSITIVE_INT,
-    residual_weight=NUMBER,
-    attention_chunk_size=POSITIVE_INT,
-    attention_context_left=POSITIVE_INT,
-    attention_context_right=NON_NEGATIVE_INT,
-    attention_logit_cap=POSITIVE_FLOAT,
-    attention_invalid_logits_value=NUMBER,
-    use_clipped_linears=BOOL,
-    rms_norm_eps=POSITIVE_FLOAT,
-    gradient_clipping=POSITIVE_FLOAT,
-    output_proj_dims=POSITIVE_INT,
-)
 _DEFAULT_CHANNELS = (128, 32)
 # The log-mel bins the subsampling convolutions read: the reference sizes its projection as
 # ``channels[0] // 4 * channels[1]``, which is the flattened (bins / 4) x channels[1] only when
@@ -82,22 +47,22 @@ FEATURE_SIZE = 128
 class Gemma4AudioConfig:
     """The fields of transformers' ``Gemma4AudioConfig`` that shape the audio graph."""
 
-    hidden_size: int = _DEFAULTS["hidden_size"]
-    num_hidden_layers: int = _DEFAULTS["num_hidden_layers"]
-    num_attention_heads: int = _DEFAULTS["num_attention_heads"]
-    hidden_act: str = _DEFAULTS["hidden_act"]
+    hidden_size: int = setting(1024, POSITIVE_INT, dataclass_default=True)
+    num_hidden_layers: int = setting(12, POSITIVE_INT, dataclass_default=True)
+    num_attention_heads: int = setting(8, POSITIVE_INT, dataclass_default=True)
+    hidden_act: str = setting("silu", TEXT, dataclass_default=True)
     subsampling_conv_channels: tuple[int, int] = _DEFAULT_CHANNELS
-    conv_kernel_size: int = _DEFAULTS["conv_kernel_size"]
-    residual_weight: float = _DEFAULTS["residual_weight"]
-    attention_chunk_size: int = _DEFAULTS["attention_chunk_size"]
-    attention_context_left: int = _DEFAULTS["attention_context_left"]
-    attention_context_right: int = _DEFAULTS["attention_context_right"]
-    attention_logit_cap: float = _DEFAULTS["attention_logit_cap"]
-    attention_invalid_logits_value: float = _DEFAULTS["attention_invalid_logits_value"]
-    use_clipped_linears: bool = _DEFAULTS["use_clipped_linears"]
-    rms_norm_eps: float = _DEFAULTS["rms_norm_eps"]
-    gradient_clipping: float = _DEFAULTS["gradient_clipping"]
-    output_proj_dims: int = _DEFAULTS["output_proj_dims"]
+    conv_kernel_size: int = setting(5, POSITIVE_INT, dataclass_default=True)
+    residual_weight: float = setting(0.5, NUMBER, dataclass_default=True)
+    attention_chunk_size: int = setting(12, POSITIVE_INT, dataclass_default=True)
+    attention_context_left: int = setting(13, POSITIVE_INT, dataclass_default=True)
+    attention_context_right: int = setting(0, NON_NEGATIVE_INT, dataclass_default=True)
+    attention_logit_cap: float = setting(50.0, POSITIVE_FLOAT, dataclass_default=True)
+    attention_invalid_logits_value: float = setting(-1.0e9, NUMBER, dataclass_default=True)
+    use_clipped_linears: bool = setting(True, BOOL, dataclass_default=True)
+    rms_norm_eps: float = setting(1e-6, POSITIVE_FLOAT, dataclass_default=True)
+    gradient_clipping: float = setting(1e10, POSITIVE_FLOAT, dataclass_default=True)
+    output_proj_dims: int = setting(1536, POSITIVE_INT, dataclass_default=True)
 
     def __post_init__(self) -> None:
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
@@ -124,7 +89,7 @@ class Gemma4AudioConfig:
     def from_dict(cls, raw: Mapping[str, Any]) -> "Gemma4AudioConfig":
         """Parse ``gemma4_audio``, or ``gemma4`` with an ``audio_config`` inside (required)."""
         audio = _audio_section(raw)
-        fields = read_fields(audio, _DEFAULTS, _KINDS, OWNER)
+        fields = read_settings(audio, cls, OWNER)
         channels = audio.get("subsampling_conv_channels", list(_DEFAULT_CHANNELS))
         if not isinstance(channels, (list, tuple)) or len(channels) != 2 or not all(POSITIVE_INT.accepts(c) for c in channels):
             raise ConfigError(f"{OWNER}: subsampling_conv_channels must be two positive ints, got {channels!r}")

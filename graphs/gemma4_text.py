@@ -147,19 +147,31 @@ class Gemma4TextModel(VocabularyHead, CheckedCaches, nn.Module):
         offset = cache[0].offset  # layer 0 always owns storage; read before any layer writes
         h = self.embed(input_ids)
         per_layer_inputs = self.per_layer_inputs(input_ids, h) if "embed_tokens_per_layer" in self else None
-        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-            if last_only and i == self.config.first_kv_shared_layer and h.shape[1] > 1:
-                # From here on no layer writes a cache, so only the last position has to go on
-                # (the reference's KV-shared prefill shortcut): E2B skips 20 of its 35 layers.
-                offset = advance(offset, h.shape[1] - 1)
-                h = h[:, -1:]
-                per_layer_inputs = None if per_layer_inputs is None else per_layer_inputs[:, -1:]
-            per_layer_input = None if per_layer_inputs is None else per_layer_inputs[:, :, i, :]
-            h = layer(h, per_layer_input, layer_cache, offset, read)
+        h = self.run_layers(h, per_layer_inputs, cache, offset, read, range(len(self.layers)), "last" if last_only else "all")
         if last_only:
             h = h[:, -1:]
         h = self.norm(h)
         return (self.logits(h), h) if with_hidden else self.logits(h)
+
+    def run_layers(self, h, per_layer_inputs, cache: list, offset, read: Read, layers: range, need: str = "all"):
+        """The layer loop: layers ``layers`` on ``h``, each on its cache (``cache`` holds theirs, in
+        order), all reading at ``offset``. A pipeline stage (``models.parallel.pipeline``) runs its range.
+
+        ``need`` says which positions the caller wants out: ``"all"``; ``"last"``: from the first
+        KV-shared layer on no layer writes a cache, so only the last position goes on (the
+        reference's KV-shared prefill shortcut: E2B skips 20 of its 35 layers); ``"none"``: the
+        loop stops there (only the caches were wanted)."""
+        for i, layer_cache in zip(layers, cache):
+            if need != "all" and i == self.config.first_kv_shared_layer:
+                if need == "none":
+                    break
+                if h.shape[1] > 1:
+                    offset = advance(offset, h.shape[1] - 1)
+                    h = h[:, -1:]
+                    per_layer_inputs = None if per_layer_inputs is None else per_layer_inputs[:, -1:]
+            per_layer_input = None if per_layer_inputs is None else per_layer_inputs[:, :, i, :]
+            h = self.layers[i](h, per_layer_input, layer_cache, offset, read)
+        return h
 
     def embed(self, input_ids: mx.array) -> mx.array:
         """``E[ids] * sqrt(H)``, the scale cast to the weights' dtype first (bf16 rounds it, as the reference does)."""

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 from graphs.config import (
     BOOL, POSITIVE_FLOAT, POSITIVE_INT, NON_NEGATIVE_INT, TEXT, ConfigError, Kind, check_value, one_of, optional,
-    read_fields, text_section,
+    read_settings, setting, settings, text_section,
 )
 
 OWNER = "Gemma4TextConfig"
@@ -31,60 +31,6 @@ SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh",)
 # What a per_layer_config entry may override; anything else would change the graph in ways we do not build.
 PER_LAYER_ATTRIBUTES = ("head_dim", "num_key_value_heads")
 
-# transformers' dataclass defaults for every field the graph reads.
-_DEFAULTS: dict[str, Any] = dict(
-    vocab_size=262_144,
-    hidden_size=2304,
-    intermediate_size=9216,
-    num_hidden_layers=30,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    head_dim=256,
-    hidden_activation="gelu_pytorch_tanh",
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-    attention_bias=False,
-    sliding_window=512,
-    final_logit_softcapping=None,
-    use_bidirectional_attention=None,
-    vocab_size_per_layer_input=262_144,
-    hidden_size_per_layer_input=256,
-    attention_k_eq_v=False,
-    num_kv_shared_layers=0,
-    enable_moe_block=False,
-    use_double_wide_mlp=False,
-    num_experts=None,
-    top_k_experts=None,
-    moe_intermediate_size=None,
-    max_position_embeddings=131_072,
-)
-# What each field may hold (graphs.config): a wrong kind is refused naming the key, not run.
-_KINDS: dict[str, Kind] = dict(
-    vocab_size=POSITIVE_INT,
-    hidden_size=POSITIVE_INT,
-    intermediate_size=POSITIVE_INT,
-    num_hidden_layers=POSITIVE_INT,
-    num_attention_heads=POSITIVE_INT,
-    num_key_value_heads=POSITIVE_INT,
-    head_dim=POSITIVE_INT,
-    hidden_activation=TEXT,
-    rms_norm_eps=POSITIVE_FLOAT,
-    tie_word_embeddings=BOOL,
-    attention_bias=BOOL,
-    sliding_window=NON_NEGATIVE_INT,  # 0 is what transformers writes for window 1 under "all"; checked after
-    final_logit_softcapping=optional(POSITIVE_FLOAT),
-    use_bidirectional_attention=one_of(None, "vision", "all"),
-    vocab_size_per_layer_input=POSITIVE_INT,
-    hidden_size_per_layer_input=NON_NEGATIVE_INT,  # 0: no per-layer inputs
-    attention_k_eq_v=BOOL,
-    num_kv_shared_layers=NON_NEGATIVE_INT,
-    enable_moe_block=BOOL,
-    use_double_wide_mlp=BOOL,
-    num_experts=optional(POSITIVE_INT),
-    top_k_experts=optional(POSITIVE_INT),
-    moe_intermediate_size=optional(POSITIVE_INT),
-    max_position_embeddings=POSITIVE_INT,
-)
 _GLOBAL_HEAD_DIM_DEFAULT = 512
 # partial_rotary_factor and factor of a proportional RoPE entry: the share of pairs rotated, the period scale.
 _ROTARY_FRACTION = Kind("a number in (0, 1]", lambda v: POSITIVE_FLOAT.accepts(v) and v <= 1)
@@ -115,47 +61,47 @@ class Gemma4TextConfig:
     layer's geometry, which is what ``per_layer_config`` and ``global_head_dim`` describe.
     """
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
+    vocab_size: int = setting(262_144, POSITIVE_INT)
+    hidden_size: int = setting(2304, POSITIVE_INT)
+    intermediate_size: int = setting(9216, POSITIVE_INT)
+    num_hidden_layers: int = setting(30, POSITIVE_INT)
+    num_attention_heads: int = setting(8, POSITIVE_INT)
+    num_key_value_heads: int = setting(4, POSITIVE_INT)
+    head_dim: int = setting(256, POSITIVE_INT)
     layer_types: tuple[str, ...]
     layer_head_dims: tuple[int, ...]
     layer_kv_heads: tuple[int, ...]
     rope_parameters: Mapping[str, Mapping[str, Any]]
-    hidden_activation: str
-    rms_norm_eps: float
-    tie_word_embeddings: bool
-    attention_bias: bool
-    sliding_window: int
-    final_logit_softcapping: float | None
-    use_bidirectional_attention: str | None
-    vocab_size_per_layer_input: int
-    hidden_size_per_layer_input: int
-    attention_k_eq_v: bool
-    num_kv_shared_layers: int
-    enable_moe_block: bool
-    use_double_wide_mlp: bool
-    num_experts: int | None
-    top_k_experts: int | None
-    moe_intermediate_size: int | None
-    max_position_embeddings: int = 131_072  # the context a prompt may fill; not used by the maths
+    hidden_activation: str = setting("gelu_pytorch_tanh", TEXT)
+    rms_norm_eps: float = setting(1e-6, POSITIVE_FLOAT)
+    tie_word_embeddings: bool = setting(True, BOOL)
+    attention_bias: bool = setting(False, BOOL)
+    sliding_window: int = setting(512, NON_NEGATIVE_INT)  # 0 is what transformers writes for window 1 under "all"; checked after
+    final_logit_softcapping: float | None = setting(None, optional(POSITIVE_FLOAT))
+    use_bidirectional_attention: str | None = setting(None, one_of(None, "vision", "all"))
+    vocab_size_per_layer_input: int = setting(262_144, POSITIVE_INT)
+    hidden_size_per_layer_input: int = setting(256, NON_NEGATIVE_INT)  # 0: no per-layer inputs
+    attention_k_eq_v: bool = setting(False, BOOL)
+    num_kv_shared_layers: int = setting(0, NON_NEGATIVE_INT)
+    enable_moe_block: bool = setting(False, BOOL)
+    use_double_wide_mlp: bool = setting(False, BOOL)
+    num_experts: int | None = setting(None, optional(POSITIVE_INT))
+    top_k_experts: int | None = setting(None, optional(POSITIVE_INT))
+    moe_intermediate_size: int | None = setting(None, optional(POSITIVE_INT))
+    max_position_embeddings: int = setting(131_072, POSITIVE_INT, dataclass_default=True)  # the context a prompt may fill; not used by the maths
 
     # ------------------------------------------------------------------------------ parsing
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> "Gemma4TextConfig":
         """Parse a ``config.json`` dict: ``gemma4_text``, or ``gemma4`` with a ``text_config`` inside.
 
-        Every field is type-checked (``graphs.config.read_fields``); a wrong value raises
+        Every field is type-checked (``graphs.config.read_settings``); a wrong value raises
         ``ConfigError`` naming the key."""
         return cls._from_text_dict(text_section(raw, "gemma4", "gemma4_text", OWNER))
 
     @classmethod
     def _from_text_dict(cls, text: dict) -> "Gemma4TextConfig":
-        fields = read_fields(text, _DEFAULTS, _KINDS, OWNER)
+        fields = read_settings(text, cls, OWNER)
         L = fields["num_hidden_layers"]
 
         if fields["use_bidirectional_attention"] == "all":
@@ -257,7 +203,7 @@ class Gemma4TextConfig:
     def to_dict(self) -> dict[str, Any]:
         """A ``config.json`` dict in the form transformers 5.24 writes (``per_layer_config``, window written back)."""
         out: dict[str, Any] = {"model_type": "gemma4_text"}
-        out.update({name: getattr(self, name) for name in _DEFAULTS})
+        out.update({name: getattr(self, name) for name in settings(type(self))})
         if self.use_bidirectional_attention == "all":
             out["sliding_window"] = (self.sliding_window - 1) * 2
         out["layer_types"] = list(self.layer_types)
@@ -354,3 +300,15 @@ def _rope_parameters(given, layer_types: tuple[str, ...]) -> dict[str, dict[str,
                 check_value(entry[name], kind, f"rope_parameters[{layer_type!r}].{name}", OWNER)
         resolved[layer_type] = entry
     return resolved
+
+
+def mlx_lm_keys(config: Gemma4TextConfig) -> dict[str, Any]:
+    """The flat keys mlx-lm's ``gemma4_text`` reads where transformers 5 writes ``per_layer_config``:
+    ``global_head_dim`` and ``num_global_key_value_heads``, when every full layer shares one value."""
+    full = [i for i, t in enumerate(config.layer_types) if t == FULL]
+    keys: dict[str, Any] = {}
+    if full and len({config.layer_head_dims[i] for i in full}) == 1:
+        keys["global_head_dim"] = config.layer_head_dims[full[0]]
+    if full and config.attention_k_eq_v and len({config.layer_kv_heads[i] for i in full}) == 1:
+        keys["num_global_key_value_heads"] = config.layer_kv_heads[full[0]]
+    return keys

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from graphs.config import POSITIVE_FLOAT, POSITIVE_INT, TOKEN_ID, ConfigError, read_fields, section
+from graphs.config import POSITIVE_FLOAT, POSITIVE_INT, TOKEN_ID, ConfigError, read_fields, read_settings, section, setting
 from graphs.gemma4_audio_config import media_token_ids
 from graphs.gemma4_multimodal_config import Gemma4MultimodalConfig, ImageTokenIds
 from graphs.gemma4_text_config import Gemma4TextConfig
@@ -29,15 +29,6 @@ _TEXT_DEFAULTS: dict[str, Any] = dict(sliding_window=1024, use_bidirectional_att
 # Gemma4TextConfig fields that Gemma4UnifiedTextConfig removes: no per-layer inputs, no MoE.
 _ABSENT_TEXT_FIELDS = ("hidden_size_per_layer_input", "enable_moe_block", "num_experts", "top_k_experts", "moe_intermediate_size")
 
-_VISION_DEFAULTS: dict[str, Any] = dict(
-    patch_size=16, pooling_kernel_size=3, mm_embed_dim=3840, mm_posemb_size=1120, rms_norm_eps=1e-6, output_proj_dims=3840
-)
-_VISION_KINDS = dict(
-    patch_size=POSITIVE_INT, pooling_kernel_size=POSITIVE_INT, mm_embed_dim=POSITIVE_INT, mm_posemb_size=POSITIVE_INT,
-    rms_norm_eps=POSITIVE_FLOAT, output_proj_dims=POSITIVE_INT,
-)  # fmt: skip
-_AUDIO_DEFAULTS: dict[str, Any] = dict(audio_embed_dim=640, rms_norm_eps=1e-6)
-_AUDIO_KINDS = dict(audio_embed_dim=POSITIVE_INT, rms_norm_eps=POSITIVE_FLOAT)
 # transformers 5.24's Gemma4UnifiedConfig defaults (the released tokenizer's ids).
 _IMAGE_IDS = {"image_token_id": 258_880, "boi_token_id": 255_999, "eoi_token_id": 258_882}
 
@@ -47,12 +38,12 @@ class Gemma4UnifiedVisionConfig:
     """The vision embedder: ``patch_size * pooling_kernel_size`` pixel patches (48) of 3 channels
     projected to ``mm_embed_dim``, a factorised ``[mm_posemb_size, 2, mm_embed_dim]`` position table."""
 
-    patch_size: int = 16
-    pooling_kernel_size: int = 3
-    mm_embed_dim: int = 3840
-    mm_posemb_size: int = 1120
-    rms_norm_eps: float = 1e-6
-    output_proj_dims: int = 3840
+    patch_size: int = setting(16, POSITIVE_INT, dataclass_default=True)
+    pooling_kernel_size: int = setting(3, POSITIVE_INT, dataclass_default=True)
+    mm_embed_dim: int = setting(3840, POSITIVE_INT, dataclass_default=True)
+    mm_posemb_size: int = setting(1120, POSITIVE_INT, dataclass_default=True)
+    rms_norm_eps: float = setting(1e-6, POSITIVE_FLOAT, dataclass_default=True)
+    output_proj_dims: int = setting(3840, POSITIVE_INT, dataclass_default=True)
 
     @property
     def model_patch_size(self) -> int:
@@ -67,7 +58,7 @@ class Gemma4UnifiedVisionConfig:
     def from_section(cls, raw: Mapping[str, Any]) -> "Gemma4UnifiedVisionConfig":
         if raw.get("model_type", "gemma4_unified_vision") != "gemma4_unified_vision":
             raise ConfigError(f"{OWNER}: vision_config model_type must be 'gemma4_unified_vision', got {raw.get('model_type')!r}")
-        config = cls(**read_fields(raw, _VISION_DEFAULTS, _VISION_KINDS, OWNER + ".vision_config"))
+        config = cls(**read_settings(raw, cls, OWNER + ".vision_config"))
         if config.output_proj_dims != config.mm_embed_dim:
             # The reference's embedder norms and projects a vector of output_proj_dims, which is the
             # patch embedding of mm_embed_dim: any other value cannot run there either.
@@ -82,8 +73,8 @@ class Gemma4UnifiedVisionConfig:
 class Gemma4UnifiedAudioConfig:
     """The audio embedder: raw frames of ``audio_embed_dim`` samples (also the samples per soft token)."""
 
-    audio_embed_dim: int = 640
-    rms_norm_eps: float = 1e-6
+    audio_embed_dim: int = setting(640, POSITIVE_INT, dataclass_default=True)
+    rms_norm_eps: float = setting(1e-6, POSITIVE_FLOAT, dataclass_default=True)
 
     @property
     def audio_samples_per_token(self) -> int:
@@ -93,7 +84,7 @@ class Gemma4UnifiedAudioConfig:
     def from_section(cls, raw: Mapping[str, Any]) -> "Gemma4UnifiedAudioConfig":
         if raw.get("model_type", "gemma4_unified_audio") != "gemma4_unified_audio":
             raise ConfigError(f"{OWNER}: audio_config model_type must be 'gemma4_unified_audio', got {raw.get('model_type')!r}")
-        return cls(**read_fields(raw, _AUDIO_DEFAULTS, _AUDIO_KINDS, OWNER + ".audio_config"))
+        return cls(**read_settings(raw, cls, OWNER + ".audio_config"))
 
 
 def unified_text_config(raw: Mapping[str, Any]) -> Gemma4TextConfig:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from graphs.config import BOOL, POSITIVE_FLOAT, POSITIVE_INT, TEXT, ConfigError, Kind, check_value, read_fields, section
+from graphs.config import BOOL, POSITIVE_FLOAT, POSITIVE_INT, TEXT, ConfigError, check_value, read_settings, section, setting
 
 OWNER = "Gemma4VisionConfig"
 SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh",)
@@ -19,58 +19,26 @@ SUPPORTED_ACTIVATIONS = ("gelu_pytorch_tanh",)
 SUPPORTED_ROPE_TYPES = ("axial", "default")
 CONTAINER_MODEL_TYPES = ("gemma4", "diffusion_gemma")
 
-# transformers 5.24's ``Gemma4VisionConfig`` defaults for every field the graph reads.
-_DEFAULTS: dict[str, Any] = dict(
-    hidden_size=768,
-    intermediate_size=3072,
-    num_hidden_layers=16,
-    num_attention_heads=12,
-    num_key_value_heads=12,
-    head_dim=64,
-    hidden_activation="gelu_pytorch_tanh",
-    rms_norm_eps=1e-6,
-    patch_size=16,
-    pooling_kernel_size=3,
-    position_embedding_size=10 * 1024,
-    use_clipped_linears=False,
-    standardize=False,
-)
 _DEFAULT_ROPE_THETA = 100.0
-# What each field may hold (graphs.config): a wrong kind is refused naming the key, not run.
-_KINDS: dict[str, Kind] = dict(
-    hidden_size=POSITIVE_INT,
-    intermediate_size=POSITIVE_INT,
-    num_hidden_layers=POSITIVE_INT,
-    num_attention_heads=POSITIVE_INT,
-    num_key_value_heads=POSITIVE_INT,
-    head_dim=POSITIVE_INT,
-    hidden_activation=TEXT,
-    rms_norm_eps=POSITIVE_FLOAT,
-    patch_size=POSITIVE_INT,
-    pooling_kernel_size=POSITIVE_INT,
-    position_embedding_size=POSITIVE_INT,
-    use_clipped_linears=BOOL,
-    standardize=BOOL,
-)
 
 
 @dataclass(frozen=True)
 class Gemma4VisionConfig:
     """The fields of transformers' ``Gemma4VisionConfig`` that shape the vision graph."""
 
-    hidden_size: int = _DEFAULTS["hidden_size"]
-    intermediate_size: int = _DEFAULTS["intermediate_size"]
-    num_hidden_layers: int = _DEFAULTS["num_hidden_layers"]
-    num_attention_heads: int = _DEFAULTS["num_attention_heads"]
-    num_key_value_heads: int = _DEFAULTS["num_key_value_heads"]
-    head_dim: int = _DEFAULTS["head_dim"]
-    hidden_activation: str = _DEFAULTS["hidden_activation"]
-    rms_norm_eps: float = _DEFAULTS["rms_norm_eps"]
-    patch_size: int = _DEFAULTS["patch_size"]
-    pooling_kernel_size: int = _DEFAULTS["pooling_kernel_size"]
-    position_embedding_size: int = _DEFAULTS["position_embedding_size"]
-    use_clipped_linears: bool = _DEFAULTS["use_clipped_linears"]
-    standardize: bool = _DEFAULTS["standardize"]
+    hidden_size: int = setting(768, POSITIVE_INT, dataclass_default=True)
+    intermediate_size: int = setting(3072, POSITIVE_INT, dataclass_default=True)
+    num_hidden_layers: int = setting(16, POSITIVE_INT, dataclass_default=True)
+    num_attention_heads: int = setting(12, POSITIVE_INT, dataclass_default=True)
+    num_key_value_heads: int = setting(12, POSITIVE_INT, dataclass_default=True)
+    head_dim: int = setting(64, POSITIVE_INT, dataclass_default=True)
+    hidden_activation: str = setting("gelu_pytorch_tanh", TEXT, dataclass_default=True)
+    rms_norm_eps: float = setting(1e-6, POSITIVE_FLOAT, dataclass_default=True)
+    patch_size: int = setting(16, POSITIVE_INT, dataclass_default=True)
+    pooling_kernel_size: int = setting(3, POSITIVE_INT, dataclass_default=True)
+    position_embedding_size: int = setting(10 * 1024, POSITIVE_INT, dataclass_default=True)
+    use_clipped_linears: bool = setting(False, BOOL, dataclass_default=True)
+    standardize: bool = setting(False, BOOL, dataclass_default=True)
     rope_theta: float = _DEFAULT_ROPE_THETA
 
     def __post_init__(self) -> None:
@@ -97,12 +65,12 @@ class Gemma4VisionConfig:
     def from_dict(cls, raw: Mapping[str, Any]) -> "Gemma4VisionConfig":
         """Parse ``gemma4_vision``, or ``gemma4`` / ``diffusion_gemma`` with a ``vision_config`` inside.
 
-        Every field is type-checked (``graphs.config.read_fields``); a wrong value raises
+        Every field is type-checked (``graphs.config.read_settings``); a wrong value raises
         ``ConfigError`` naming the key."""
         vision = section(raw, OWNER, own_type="gemma4_vision", containers=CONTAINER_MODEL_TYPES, key="vision_config", required=True)
         if vision.get("attention_bias"):
             raise ValueError("Gemma4VisionConfig: attention_bias=True is not implemented (Gemma 4 has no biases)")
-        fields = read_fields(vision, _DEFAULTS, _KINDS, OWNER)
+        fields = read_settings(vision, cls, OWNER)
         return cls(rope_theta=_rope_theta(vision.get("rope_parameters")), **fields)
 
 

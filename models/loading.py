@@ -224,11 +224,11 @@ def load(
     wrapper = None
     if tokenizer:
         wrapper = load_tokenizer(folder, vocab_size_of(loaded.config), generation_config.get("eos_token_id"))
-    if loaded.architecture.wrapper == "diffusion":
+    if loaded.architecture.generation == "diffusion":
         from models.diffusion_model import DiffusionModel
 
         model = DiffusionModel(loaded.graph, loaded.config, wrapper, generation_config, folder)
-    elif loaded.architecture.wrapper == "unified":
+    elif loaded.architecture.processors == "gemma4_unified":
         from models.unified_model import UnifiedModel
 
         check_sampling_defaults(folder, generation_config)

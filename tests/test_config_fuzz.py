@@ -16,10 +16,8 @@ import math
 import pytest
 
 import graphs.diffusion_gemma_config as diffusion_module
-import graphs.gemma3_text_config as gemma3_module
 import graphs.gemma4_text_config as gemma4_module
-import graphs.gemma4_vision_config as vision_module
-from graphs.config import BOOL, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, TEXT, ConfigError, read_fields, text_section
+from graphs.config import BOOL, NON_NEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT, TEXT, ConfigError, read_fields, settings, text_section
 from graphs.diffusion_gemma_config import DiffusionGemmaConfig
 from graphs.gemma3_text_config import Gemma3TextConfig
 from graphs.gemma4_multimodal_config import Gemma4MultimodalConfig
@@ -108,6 +106,11 @@ def diffusion():
 DIFFUSION_IGNORED = set(diffusion_module._IGNORED_TEXT_FIELDS)
 
 
+def kinds(cls):
+    """``(name, kind)`` of every field ``cls`` reads from ``config.json``."""
+    return [(name, kind) for name, (_, kind) in settings(cls).items()]
+
+
 def cases():
     """(config class, base builder, path to the field, bad value) for every field of every config."""
     out = []
@@ -115,16 +118,16 @@ def cases():
     def add(parse, base, path, kind):
         out.extend((parse, base, path, value) for value in bad_values(kind))
 
-    for name, kind in gemma4_module._KINDS.items():
+    for name, kind in kinds(Gemma4TextConfig):
         add(Gemma4TextConfig.from_dict, gemma4_text, (name,), kind)
         add(Gemma4TextConfig.from_dict, gemma4_nested, ("text_config", name), kind)
         add(Gemma4MultimodalConfig.from_dict, multimodal, ("text_config", name), kind)
         if name not in DIFFUSION_IGNORED:
             add(DiffusionGemmaConfig.from_dict, diffusion, ("text_config", name), kind)
-    for name, kind in gemma3_module._KINDS.items():
+    for name, kind in kinds(Gemma3TextConfig):
         add(Gemma3TextConfig.from_dict, gemma3_text, (name,), kind)
         add(Gemma3TextConfig.from_dict, gemma3_nested, ("text_config", name), kind)
-    for name, kind in vision_module._KINDS.items():
+    for name, kind in kinds(Gemma4VisionConfig):
         add(Gemma4VisionConfig.from_dict, vision, (name,), kind)
         add(Gemma4MultimodalConfig.from_dict, multimodal, ("vision_config", name), kind)
         add(DiffusionGemmaConfig.from_dict, diffusion, ("vision_config", name), kind)

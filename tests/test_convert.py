@@ -16,7 +16,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import models  # noqa: E402
-from models.convert import convert, main, mlx_lm_config  # noqa: E402
+from models.convert import convert  # noqa: E402
+from models.convert.cli import main  # noqa: E402
+from models.registry import architecture_for  # noqa: E402
 from tests import diffusion_tiny, hf_tiny  # noqa: E402
 from tests import quant_tiny as qt  # noqa: E402
 from weights.quantize import QuantizationPolicy, QuantParams, quantized_modules  # noqa: E402
@@ -120,7 +122,7 @@ def test_mlx_lm_config_keys_do_not_change_our_config(sources):
         ("gemma3_base", Gemma3TextConfig.from_dict, {"sliding_window_pattern": 3, "rope_theta": 1e6, "rope_local_base_freq": 1e4}),
     ]:
         raw = json.loads((sources / name / "config.json").read_text())
-        written, added = mlx_lm_config(raw)
+        written, added = architecture_for(raw, name, ()).peer.rewrite(raw)
         assert {k: written[k] for k in keys} == keys and set(keys) <= set(added)
         assert parse(written) == parse(raw)
 
@@ -307,7 +309,7 @@ def test_a_failed_conversion_changes_nothing(sources, tmp_path, monkeypatch, fai
     import errno
     import shutil
 
-    from models import convert as convert_module
+    from models.convert import folder as folder_module
 
     old = tmp_path / "old"
     convert(str(sources / "T1"), old, q_bits=4)
@@ -318,8 +320,8 @@ def test_a_failed_conversion_changes_nothing(sources, tmp_path, monkeypatch, fai
             Path(path).write_bytes(b"\0" * 100)  # a shard cut short
             raise RuntimeError("[write] Unable to write 334556 bytes to file.")
 
-        monkeypatch.setattr(convert_module.mx, "save_safetensors", save)
-        error, message = convert_module.ConversionWriteError, "no space left on device"
+        monkeypatch.setattr(mx, "save_safetensors", save)
+        error, message = folder_module.ConversionWriteError, "no space left on device"
     else:
         real_copy = shutil.copyfile
 
@@ -331,13 +333,13 @@ def test_a_failed_conversion_changes_nothing(sources, tmp_path, monkeypatch, fai
                 raise OSError(errno.ENOSPC, "No space left on device")
             return real_copy(src, dst, *a, **k)
 
-        monkeypatch.setattr(convert_module.shutil, "copyfile", copyfile)
+        monkeypatch.setattr(shutil, "copyfile", copyfile)
         error, message = (KeyboardInterrupt, "") if failure == "interrupted" else (OSError, "no space left on device")
 
     for out, kept in [(old, "still holds the earlier conversion"), (tmp_path / "new", "was not created")]:
         if failure == "mlx_disk_full":
             free = iter([1 << 40])  # room before writing, none once the write has failed
-            monkeypatch.setattr(convert_module, "_free_bytes", lambda target, free=free: next(free, 4096))
+            monkeypatch.setattr(folder_module, "_free_bytes", lambda target, free=free: next(free, 4096))
         with pytest.raises(error) as info:
             convert(str(sources / "T1"), out, q_bits=8, overwrite=True)
         if failure != "interrupted":
@@ -350,12 +352,13 @@ def test_a_failed_conversion_changes_nothing(sources, tmp_path, monkeypatch, fai
 
 def test_cli_interrupted_or_disk_full_says_so_on_one_line(sources, tmp_path, monkeypatch, capsys):
     from models import convert as convert_module
+    from models.convert import folder as folder_module
 
     def save(*a, **k):
         raise RuntimeError("[write] Unable to write 334556 bytes to file.")
 
-    monkeypatch.setattr(convert_module.mx, "save_safetensors", save)
-    monkeypatch.setattr(convert_module, "_free_bytes", lambda target: 0)
+    monkeypatch.setattr(mx, "save_safetensors", save)
+    monkeypatch.setattr(folder_module, "_free_bytes", lambda target: 0)
     assert main(["--model", str(sources / "T1"), "--out", str(tmp_path / "a" / "b" / "o"), "--q-bits", "4"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: convert: could not write") and "not enough free disk space" in err and err.count("\n") == 1

@@ -16,6 +16,7 @@ import pytest
 from graphs.gemma4_text_config import Gemma4TextConfig
 from models.parallel import ParallelSetupError, sharding_for
 from models.parallel.pipeline import stage_bounds
+from models.registry import gemma4_decoder_shape
 from weights.shards import SKIP, STAND_IN, Part, ShardError, read_parts
 
 S, F = "sliding_attention", "full_attention"
@@ -43,22 +44,22 @@ def text(**fields) -> Gemma4TextConfig:
 
 def planned(mode: str, config, rank: int = 0, size: int = 2, raw=None, **options):
     sharding = sharding_for(mode, Group(rank, size), **options)
-    sharding.configure(config, raw or {})
+    sharding.configure(gemma4_decoder_shape(config), raw or {})
     return sharding
 
 
 # ---------------------------------------------------------------------------------------- pipeline
 def test_pipeline_splits_evenly_without_kv_sharing():
-    assert stage_bounds(text(num_hidden_layers=60, layer_types=None), 4) == [0, 15, 30, 45, 60]
-    assert stage_bounds(text(num_hidden_layers=7, layer_types=None), 2) == [0, 4, 7]
+    assert stage_bounds(gemma4_decoder_shape(text(num_hidden_layers=60, layer_types=None)), 4) == [0, 15, 30, 45, 60]
+    assert stage_bounds(gemma4_decoder_shape(text(num_hidden_layers=7, layer_types=None)), 2) == [0, 4, 7]
 
 
 def test_kv_shared_layers_stay_on_their_donors_stage():
     # E2B's shape: 35 layers, the last 20 reuse the keys and values of layers 11 (full) and 14 (sliding).
     e2b = text(num_hidden_layers=35, layer_types=None, num_kv_shared_layers=20)
     assert min(e2b.kv_donors.values()) == 11
-    assert stage_bounds(e2b, 2) == [0, 11, 35]
-    assert stage_bounds(e2b, 4) == [0, 4, 7, 11, 35]
+    assert stage_bounds(gemma4_decoder_shape(e2b), 2) == [0, 11, 35]
+    assert stage_bounds(gemma4_decoder_shape(e2b), 4) == [0, 4, 7, 11, 35]
 
 
 def test_pipeline_refuses_what_it_cannot_split():
@@ -192,6 +193,7 @@ def test_a_transposed_part_is_relaid_out_without_a_copy(tmp_path):
     assert mx.get_active_memory() == before
 
 
-def test_other_families_are_refused_by_name(tmp_path):
-    with pytest.raises(ParallelSetupError, match="model_type 'gemma3_text' is not split across ranks; supported: gemma4_text"):
-        sharding_for("tensor", Group(0, 2)).read(tmp_path, {"model_type": "gemma3_text"})
+def test_families_without_a_decoder_shape_are_refused_by_name(tmp_path):
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {"layers.0.fc.weight": mx.zeros((2, 2))})
+    with pytest.raises(ParallelSetupError, match="model_type 'gemma4_assistant' is not split across ranks"):
+        sharding_for("tensor", Group(0, 2)).read(tmp_path, {"model_type": "gemma4_assistant"})

@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import models  # noqa: E402
-from models.convert import mlx_lm_config  # noqa: E402
+from models.registry import architecture_for  # noqa: E402
 from tests import diffusion_tiny, hf_tiny  # noqa: E402
 from tests import quant_tiny as qt  # noqa: E402
 from weights.quantize import (  # noqa: E402
@@ -148,7 +148,8 @@ def _mlx_lm_quantized(source, out, bits, group_size, overrides=None):
 
     readable = out.parent / (out.name + "_src")
     shutil.copytree(source, readable)
-    config, _ = mlx_lm_config(json.loads((source / "config.json").read_text()))
+    raw = json.loads((source / "config.json").read_text())
+    config, _ = architecture_for(raw, str(source), ()).peer.rewrite(raw)
     (readable / "config.json").write_text(json.dumps(config))
     model, config = load_model(readable)
     overrides = overrides or {}

@@ -27,6 +27,7 @@ from typing import Mapping, Sequence
 import mlx.core as mx
 
 from weights.gemma4_vision_keys import map_gemma4_vision_weights
+from weights.layouts import Layout
 from weights.modules import check_complete, check_entry
 
 logger = logging.getLogger(__name__)
@@ -102,3 +103,40 @@ def _text_entries(key: str, value: mx.array) -> list[tuple[str, mx.array]]:
     if name.endswith(".experts.down_proj"):
         return [(name.removesuffix("down_proj") + "switch_glu.down_proj" + suffix, value)]
     return [(key[len(DECODER_PREFIX) :], value)]
+
+
+# ---------------------------------------------------------------------------------------- export
+_EXPERT = re.compile(r"(layers\.\d+\.experts)\.switch_glu\.(gate|up|down)_proj\.(weight|scales|biases)")
+_GRAPH_ENCODER_SCALAR = re.compile(r"layers\.(\d+)\.encoder_layer_scalar")
+
+
+class DiffusionLayout(Layout):
+    """The export mirror of ``map_diffusion_gemma_weights``: transformers' / mlx-vlm's keys for the
+    decoder stack, the encoder's scalars and vision parts, and the experts fused back into
+    ``gate_up_proj`` ([gate; up] along the rows, which packed weights, scales and biases all split
+    the same way)."""
+
+    def __init__(self):
+        super().__init__(self._diffusion_key)
+
+    @staticmethod
+    def _diffusion_key(name: str) -> str:
+        if (m := _GRAPH_ENCODER_SCALAR.fullmatch(name)) is not None:
+            return f"{ENCODER_TEXT_PREFIX}layers.{m.group(1)}.layer_scalar"
+        if name.startswith(("vision_tower.", "embed_vision.")):
+            return "model.encoder." + name
+        if (m := _EXPERT.fullmatch(name)) is not None:
+            fused = "gate_up" if m.group(2) in ("gate", "up") else "down"
+            return f"{DECODER_PREFIX}{m.group(1)}.{fused}_proj.{m.group(3)}"
+        return DECODER_PREFIX + name
+
+    def export(self, params: Mapping[str, mx.array]) -> dict[str, mx.array]:
+        out: dict[str, mx.array] = {}
+        for name, value in params.items():
+            m = _EXPERT.fullmatch(name)
+            if m is None or m.group(2) == "down":
+                out[self.key(name)] = value
+            elif m.group(2) == "gate":
+                up = params[name.replace(".switch_glu.gate_proj.", ".switch_glu.up_proj.")]
+                out[self.key(name)] = mx.concatenate([value, up], axis=1)
+        return out

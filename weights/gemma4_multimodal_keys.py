@@ -15,6 +15,7 @@ from typing import Collection, Mapping
 import mlx.core as mx
 
 from .gemma4_vision_keys import TOWER_PREFIXES
+from .layouts import Layout, prefixed
 
 # Where a Gemma 4 (not DiffusionGemma) checkpoint keeps its vision tower; "" (a bare tower) excluded.
 _GEMMA4_TOWER_PREFIXES = tuple(p for p in TOWER_PREFIXES if p and not p.startswith("model.encoder."))
@@ -23,3 +24,9 @@ _GEMMA4_TOWER_PREFIXES = tuple(p for p in TOWER_PREFIXES if p and not p.startswi
 def has_vision_weights(names: Collection[str]) -> bool:
     """True when the checkpoint carries a Gemma 4 vision tower (mlx-lm conversions drop it)."""
     return any(name.startswith(_GEMMA4_TOWER_PREFIXES) for name in names)
+
+
+def multimodal_layout() -> Layout:
+    """The export layout of the multimodal graph: mlx-vlm's ``gemma4`` keys (``language_model.model.*``,
+    ``language_model.lm_head.*``; the towers' ``vision_tower.*`` / ``embed_vision.*`` / audio parts as named)."""
+    return prefixed("language_model.model.", "language_model.lm_head.", "language_model.")

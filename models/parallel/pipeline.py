@@ -28,28 +28,28 @@ from typing import Any, Mapping
 import mlx.core as mx
 import mlx.nn as nn
 
-from cache import Read, advance
-from graphs.diffusion_gemma_config import DiffusionGemmaConfig
+from cache import Read
 from graphs.layers import CheckedCaches
 from weights.shards import SKIP, Decision, Part
 
 from models.parallel.modules import layer_columns, vocabulary_rows
 from models.parallel.sharding import LAYER_KEY, Sharding, decoder_of
+from models.registry import DecoderShape
 
 # Prefill micro-batches: at most this many per chunk and ranks, and none shorter than MIN_MICRO_BATCH positions.
 MICRO_BATCHES_PER_RANK = 2
 MIN_MICRO_BATCH = 32
 
 
-def stage_bounds(text, size: int) -> list[int]:
+def stage_bounds(dims: DecoderShape, size: int) -> list[int]:
     """``[0, b1, ..., L]``: rank r runs layers ``[b_r, b_{r+1})``. An even split, unless its last
     boundary falls after the first KV donor: then the layers from that donor on are the last stage
     (every KV-shared layer on its donor's rank) and the others share the layers before it evenly.
     Raises ``ValueError`` (the reason) when ``size`` stages do not fit."""
-    L = text.num_hidden_layers
-    limit = min(text.kv_donors.values()) if text.num_kv_shared_layers else L - 1
+    L = dims.num_hidden_layers
+    limit = L - 1 if dims.first_kv_donor is None else dims.first_kv_donor
     if size - 1 > limit:
-        shared = f" (layers {limit}-{L - 1} share keys and values, so they form one stage)" if text.num_kv_shared_layers else ""
+        shared = "" if dims.first_kv_donor is None else f" (layers {limit}-{L - 1} share keys and values, so they form one stage)"
         raise ValueError(f"{L} layers give at most {limit + 1} stages{shared}")
     if round((size - 1) * L / size) <= limit:
         return [round(k * L / size) for k in range(size + 1)]
@@ -67,19 +67,15 @@ class Elsewhere(nn.Module):
 class PipelineParallel(Sharding):
     mode = "pipeline"
 
-    def configure(self, config, raw: Mapping[str, Any]) -> None:
-        if isinstance(config, DiffusionGemmaConfig):
-            raise self.refuse("DiffusionGemma runs tensor-parallel only (--parallel tensor)")
-        text = self.text = getattr(config, "text", config)
-        if text.use_bidirectional_attention == "all":
-            raise self.refuse("a use_bidirectional_attention='all' encoder has no generation to pipeline")
+    def configure(self, dims: DecoderShape, raw: Mapping[str, Any]) -> None:
+        self.dims = dims
         try:
-            self.bounds = stage_bounds(text, self.size)
+            self.bounds = stage_bounds(dims, self.size)
         except ValueError as err:
             raise self.refuse(str(err)) from None
         self.start, self.end = self.bounds[self.rank], self.bounds[self.rank + 1]
-        if text.vocab_size % self.size:
-            raise self.refuse(f"vocab_size {text.vocab_size} is not a multiple of {self.size}")
+        if dims.vocab_size % self.size:
+            raise self.refuse(f"vocab_size {dims.vocab_size} is not a multiple of {self.size}")
 
     def details(self) -> dict[str, Any]:
         return {"stages": self.bounds}
@@ -89,7 +85,7 @@ class PipelineParallel(Sharding):
         if layer is not None:
             return None if self.start <= int(layer.group(1)) < self.end else SKIP
         module = key.split(".")[-2] if "." in key else ""
-        L = self.text.num_hidden_layers
+        L = self.dims.num_hidden_layers
         mine = ((Fraction(self.start, L), Fraction(self.end, L)),)
         if module == "embed_tokens_per_layer":
             return Part(-1, mine)
@@ -105,23 +101,23 @@ class PipelineParallel(Sharding):
         for i in range(len(decoder.layers)):
             if not self.start <= i < self.end:
                 decoder.layers[i] = Elsewhere()
-        H, rows = self.text.hidden_size, self.text.vocab_size // self.size
+        H, rows = self.dims.hidden_size, self.dims.vocab_size // self.size
         decoder.embed_tokens = nn.Embedding(rows, H)
         if "lm_head" in decoder:
             decoder.lm_head = nn.Linear(H, rows, bias="bias" in decoder.lm_head)
-        P = self.text.hidden_size_per_layer_input
+        P = self.dims.per_layer_input
         if P:
             width = (self.end - self.start) * P
-            decoder.embed_tokens_per_layer = nn.Embedding(self.text.vocab_size_per_layer_input, width)
-            decoder.per_layer_model_projection = nn.Linear(self.text.hidden_size, width, bias=False)
+            decoder.embed_tokens_per_layer = nn.Embedding(self.dims.vocab_size_per_layer_input, width)
+            decoder.per_layer_model_projection = nn.Linear(H, width, bias=False)
 
     def join(self, graph: nn.Module) -> nn.Module:
         decoder = decoder_of(graph)
-        decoder.embed_tokens = vocabulary_rows(decoder.embed_tokens, self.rank * self.text.vocab_size // self.size, self.group)
+        decoder.embed_tokens = vocabulary_rows(decoder.embed_tokens, self.rank * self.dims.vocab_size // self.size, self.group)
         if "lm_head" in decoder:
             decoder.lm_head = vocabulary_rows(decoder.lm_head, 0, self.group)
         decoder.head_blocks = None  # row blocks of the split head would skip the gather (graphs.speedups)
-        P, L = self.text.hidden_size_per_layer_input, self.text.num_hidden_layers
+        P, L = self.dims.per_layer_input, self.dims.num_hidden_layers
         if P:
             before, after = self.start * P, (L - self.end) * P
             decoder.embed_tokens_per_layer = layer_columns(decoder.embed_tokens_per_layer, before, after)
@@ -134,8 +130,9 @@ class PipelineParallel(Sharding):
 
 
 class PipelineStage(CheckedCaches, nn.Module):
-    """One rank's stage of a Gemma 4 decoder: called as the decoder is (``__call__``, ``forward``,
-    ``make_cache``), its caches are those of its own layers."""
+    """One rank's stage of a text decoder (Gemma 4's or Gemma 3's): called as the decoder is
+    (``__call__``, ``forward``, ``make_cache``), its caches are those of its own layers, which it
+    runs through the decoder's own layer loop (``run_layers``)."""
 
     # It evaluates inside its forward (collectives in a fixed order), which no compiled step can
     # trace: one-position forwards stay plain (graphs.decode_step).
@@ -161,7 +158,7 @@ class PipelineStage(CheckedCaches, nn.Module):
         return self.forward(input_ids, self.make_cache() if cache is None else cache, read, last_only, with_hidden)
 
     def forward(self, tokens, cache: list, read: Read, last_only: bool = False, with_hidden: bool = False):
-        """As ``Gemma4TextModel.forward``: the logits (and the final normed hidden states), on every rank."""
+        """As the decoder's ``forward``: the logits (and the final normed hidden states), on every rank."""
         self.check_cache(cache)
         decoder = self.decoder
         # Every rank embeds the whole chunk (the lookup is split over the ranks' vocabulary rows; the
@@ -202,16 +199,7 @@ class PipelineStage(CheckedCaches, nn.Module):
         B, L, H = embedded.shape
         offset = cache[0].offset  # the stage's first layer owns storage (KV-shared layers follow their donor)
         h = embedded if self.rank == 0 else mx.distributed.recv((B, L, H), embedded.dtype, self.rank - 1, group=self.group)
-        for i in range(self.start, self.end):
-            if need != "all" and i == decoder.config.first_kv_shared_layer:
-                # No later layer writes a cache: only the last position goes on (or none at all).
-                if need == "none":
-                    break
-                if h.shape[1] > 1:
-                    offset = advance(offset, h.shape[1] - 1)
-                    h = h[:, -1:]
-                    per_layer = None if per_layer is None else per_layer[:, -1:]
-            h = decoder.layers[i](h, None if per_layer is None else per_layer[:, :, i, :], cache[i - self.start], offset, read)
+        h = decoder.run_layers(h, per_layer, cache, offset, read, range(self.start, self.end), need)
         if not last:
             h = mx.distributed.send(h, self.rank + 1, group=self.group)
         mx.eval(h)  # this micro-batch leaves now, while the next one is built

@@ -33,8 +33,6 @@ from models.parallel.modules import SharedFeatures
 from models.parallel.runtime import ParallelSetupError, check_same, checkpoint_digest, describe
 from models.registry import architecture_for
 
-# The checkpoints the plans know how to split (Gemma 4 text, Gemma 4 with media towers, DiffusionGemma).
-SUPPORTED = ("gemma4_text", "gemma4", "diffusion_gemma")
 # Graph parts that only rank 0 holds: the media towers and their embedders.
 TOWERS = ("vision_tower", "embed_vision", "audio_tower", "embed_audio")
 # A checkpoint key inside decoder layer i: ``...layers.{i}.{rest}``.
@@ -60,16 +58,19 @@ class Sharding(ABC):
 
     # ------------------------------------------------------------------------------ the loader's calls
     def read(self, folder: Path, raw: Mapping[str, Any]) -> tuple[dict[str, mx.array], dict[str, str]]:
-        if raw.get("model_type") not in SUPPORTED:
-            raise self.refuse(f"model_type {raw.get('model_type')!r} is not split across ranks; supported: {', '.join(SUPPORTED)}")
-        digest = checkpoint_digest(folder)
-        check_same(self.group, digest, {})  # the same checkpoint first: then every rank plans alike
         files, _ = checkpoint_files(Path(folder))
         names = [key for path in files.values() for key in tensor_entries(path)[1]]
         architecture = architecture_for(raw, str(Path(folder) / "config.json"), names)
+        if architecture.decoder_shape is None:
+            raise self.refuse(f"model_type {raw.get('model_type')!r} is not split across ranks (its registry entry has no decoder shape)")
+        digest = checkpoint_digest(folder)
+        check_same(self.group, digest, {})  # the same checkpoint first: then every rank plans alike
         self.config = architecture.parse_config(raw)
+        dims = architecture.decoder_shape(self.config)
         try:
-            self.configure(self.config, raw)
+            if self.mode in dims.refused:
+                raise self.refuse(dims.refused[self.mode])
+            self.configure(dims, raw)
             plan, refusal = self.plan(), None
         except ParallelSetupError as err:  # refused on this rank: the others must hear of it, not wait
             plan, refusal = {"refused": getattr(err, "reason", str(err))}, err
@@ -118,8 +119,9 @@ class Sharding(ABC):
 
     # ------------------------------------------------------------------------------ per plan
     @abstractmethod
-    def configure(self, config, raw: Mapping[str, Any]) -> None:
-        """Make this rank's plan for ``config``; refuse (``refuse``) what the plan cannot split."""
+    def configure(self, dims, raw: Mapping[str, Any]) -> None:
+        """Make this rank's plan for a decoder of shape ``dims`` (``models.registry.DecoderShape``);
+        refuse (``refuse``) what the plan cannot split."""
 
     @abstractmethod
     def details(self) -> dict[str, Any]:

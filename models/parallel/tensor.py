@@ -28,13 +28,13 @@ from typing import Any, Mapping
 
 import mlx.nn as nn
 
-from graphs.diffusion_gemma_config import DiffusionGemmaConfig
 from graphs.layers import Experts
 from weights.quantize import read_quantization
 from weights.shards import SKIP, Decision, Part
 
 from models.parallel.modules import ShardedExperts, summed, vocabulary_rows
 from models.parallel.sharding import LAYER_KEY, Sharding, decoder_of
+from models.registry import DecoderShape
 
 EXPERT_MODES = ("auto", "columns", "rows")
 
@@ -68,34 +68,32 @@ class TensorParallel(Sharding):
         self.experts = experts
 
     # ------------------------------------------------------------------------------ plan
-    def configure(self, config, raw: Mapping[str, Any]) -> None:
-        text = getattr(config, "text", config)
-        self.text = text
+    def configure(self, dims: DecoderShape, raw: Mapping[str, Any]) -> None:
+        self.dims = dims
         N, r = self.size, self.rank
-        Hq = text.num_attention_heads
+        Hq = dims.num_attention_heads
         if Hq % N:
             raise self.refuse(f"{Hq} attention heads do not split into {N} equal shares")
         self.heads = []
-        for i, geometry in enumerate(text.layers):
-            kv = geometry.num_key_value_heads
+        for i, (kv, inner) in enumerate(zip(dims.kv_heads, dims.intermediate_sizes)):
             if kv % N and N % kv:
                 raise self.refuse(f"layer {i} has {kv} key/value heads: neither a multiple nor a divisor of {N}")
             q0, q1 = r * Hq // N, (r + 1) * Hq // N
             group = Hq // kv
             self.heads.append(((q0, q1), (q0 // group, -(-q1 // group)), kv))
-            if geometry.intermediate_size % N:
-                raise self.refuse(f"layer {i}'s MLP has {geometry.intermediate_size} hidden columns, not a multiple of {N}")
-        self.split_vocabulary = not isinstance(config, DiffusionGemmaConfig)
-        sizes = [("vocab_size", text.vocab_size)] if self.split_vocabulary else []
-        if text.hidden_size_per_layer_input:
-            sizes.append(("vocab_size_per_layer_input", text.vocab_size_per_layer_input))
+            if inner % N:
+                raise self.refuse(f"layer {i}'s MLP has {inner} hidden columns, not a multiple of {N}")
+        self.split_vocabulary = dims.split_vocabulary
+        sizes = [("vocab_size", dims.vocab_size)] if self.split_vocabulary else []
+        if dims.per_layer_input:
+            sizes.append(("vocab_size_per_layer_input", dims.vocab_size_per_layer_input))
         for name, size in sizes:
             if size % N:
                 raise self.refuse(f"{name} {size} is not a multiple of {N}")
-        self.expert_mode = self._expert_mode(text, read_quantization(raw)) if text.enable_moe_block else None
+        self.expert_mode = self._expert_mode(read_quantization(raw)) if dims.num_experts else None
 
-    def _expert_mode(self, text, quantization) -> str:
-        N, E, Im = self.size, text.num_experts, text.moe_intermediate_size
+    def _expert_mode(self, quantization) -> str:
+        N, E, Im = self.size, self.dims.num_experts, self.dims.moe_intermediate_size
         group = quantization.default.group_size if quantization is not None else 1
         columns = Im % N == 0 and (Im // N) % group == 0
         rows = E % N == 0
@@ -128,10 +126,10 @@ class TensorParallel(Sharding):
         if i >= len(self.heads):
             return None  # not a decoder layer index this plan knows: left to the key mapping to judge
         (q0, q1), (k0, k1), kv = self.heads[i]
-        if self.text.layers[i].reuses_kv and _SHARED_KV.match(inside):
+        if self.dims.reuses_kv[i] and _SHARED_KV.match(inside):
             return SKIP  # KV-shared layers read their donor's keys and values (the key mapping drops these)
         cuts = {
-            "q": ((Fraction(q0, self.text.num_attention_heads), Fraction(q1, self.text.num_attention_heads)),),
+            "q": ((Fraction(q0, self.dims.num_attention_heads), Fraction(q1, self.dims.num_attention_heads)),),
             "kv": ((Fraction(k0, kv), Fraction(k1, kv)),),
             "even": _share(r, N),
         }
@@ -154,7 +152,7 @@ class TensorParallel(Sharding):
     # ------------------------------------------------------------------------------ the graph
     def shape(self, graph: nn.Module) -> None:
         decoder, N = decoder_of(graph), self.size
-        H = self.text.hidden_size
+        H = self.dims.hidden_size
         for layer, ((q0, q1), (k0, k1), _) in zip(decoder.layers, self.heads):
             attention = layer.self_attn
             D = attention.head_dim
@@ -165,16 +163,16 @@ class TensorParallel(Sharding):
                 if name in attention:
                     setattr(attention, name, nn.Linear(H, (k1 - k0) * D, bias="bias" in attention[name]))
             _split_mlp(layer.mlp, N)
-            if layer.has_moe:
-                E, Im = self.text.num_experts, self.text.moe_intermediate_size
+            if self.dims.num_experts:
+                E, Im = self.dims.num_experts, self.dims.moe_intermediate_size
                 layer.experts = Experts(H, Im // N, E) if self.expert_mode == "columns" else Experts(H, Im, E // N)
         if self.split_vocabulary:
-            decoder.embed_tokens = nn.Embedding(self.text.vocab_size // N, H)
+            decoder.embed_tokens = nn.Embedding(self.dims.vocab_size // N, H)
             if "lm_head" in decoder:
-                decoder.lm_head = nn.Linear(H, self.text.vocab_size // N, bias="bias" in decoder.lm_head)
-        if self.text.hidden_size_per_layer_input:
-            width = self.text.num_hidden_layers * self.text.hidden_size_per_layer_input
-            decoder.embed_tokens_per_layer = nn.Embedding(self.text.vocab_size_per_layer_input // N, width)
+                decoder.lm_head = nn.Linear(H, self.dims.vocab_size // N, bias="bias" in decoder.lm_head)
+        if self.dims.per_layer_input:
+            width = self.dims.num_hidden_layers * self.dims.per_layer_input
+            decoder.embed_tokens_per_layer = nn.Embedding(self.dims.vocab_size_per_layer_input // N, width)
         if "self_conditioning" in graph:
             _split_mlp(graph.self_conditioning, N)
 
@@ -183,17 +181,17 @@ class TensorParallel(Sharding):
         for layer in decoder.layers:
             layer.self_attn.o_proj = summed(layer.self_attn.o_proj, group)
             layer.mlp.down_proj = summed(layer.mlp.down_proj, group)
-            if layer.has_moe:
-                count = self.text.num_experts // self.size
+            if self.dims.num_experts:
+                count = self.dims.num_experts // self.size
                 rows = self.expert_mode == "rows"
                 layer.experts = ShardedExperts(layer.experts, group, r * count if rows else None, count if rows else None)
         if self.split_vocabulary:
-            decoder.embed_tokens = vocabulary_rows(decoder.embed_tokens, r * self.text.vocab_size // self.size, group)
+            decoder.embed_tokens = vocabulary_rows(decoder.embed_tokens, r * self.dims.vocab_size // self.size, group)
             if "lm_head" in decoder:
                 decoder.lm_head = vocabulary_rows(decoder.lm_head, 0, group)
             decoder.head_blocks = None  # row blocks of the split head would skip the gather (graphs.speedups)
-        if self.text.hidden_size_per_layer_input:
-            start = r * self.text.vocab_size_per_layer_input // self.size
+        if self.dims.per_layer_input:
+            start = r * self.dims.vocab_size_per_layer_input // self.size
             decoder.embed_tokens_per_layer = vocabulary_rows(decoder.embed_tokens_per_layer, start, group)
         if "self_conditioning" in graph:
             graph.self_conditioning.down_proj = summed(graph.self_conditioning.down_proj, group)
