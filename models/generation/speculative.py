@@ -215,6 +215,14 @@ def check_speculative_sampling(options: SamplingOptions) -> None:
                                     "speculative decoding applies no repetition penalty; use 1 or no draft model")  # fmt: skip
 
 
+def check_num_draft_tokens(value) -> int:
+    """``value`` as an int if it is a whole number in [1, ``MAX_DRAFT_TOKENS``], else ``GenerationOptionError``."""
+    value = check_positive_int("num_draft_tokens", value)
+    if value > MAX_DRAFT_TOKENS:
+        raise GenerationOptionError("num_draft_tokens", value, f"must be at most {MAX_DRAFT_TOKENS}")
+    return value
+
+
 def speculative_tokens(
     target,
     drafter,
@@ -243,9 +251,7 @@ def speculative_tokens(
     check_speculative_sampling(options)
     if options.seed is not None:
         mx.random.seed(options.seed)
-    k_max = check_positive_int("num_draft_tokens", num_draft_tokens)
-    if k_max > MAX_DRAFT_TOKENS:
-        raise GenerationOptionError("num_draft_tokens", num_draft_tokens, f"must be at most {MAX_DRAFT_TOKENS}")
+    k_max = check_num_draft_tokens(num_draft_tokens)
     max_tokens = check_positive_int("max_tokens", max_tokens)
     stop_ids = set(stop_ids)
     stats = stats if stats is not None else GenerationStats()
