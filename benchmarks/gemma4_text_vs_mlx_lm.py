@@ -161,7 +161,7 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     rows = {"ours": [], "mlx_lm": []}
     for round_ in range(args.rounds):
-        # Alternate the order (ours first, then mlx-lm first, ...): the box is shared and its load drifts.
+        # Alternate the order (ours first, then mlx-lm first, ...): a shared machine's load drifts.
         for which in ("ours", "mlx_lm") if round_ % 2 == 0 else ("mlx_lm", "ours"):
             out = subprocess.run(
                 [sys.executable, "-m", "benchmarks.gemma4_text_vs_mlx_lm", "--child", which, "--path", str(path),

@@ -282,7 +282,9 @@ def main() -> None:
     parser.add_argument("--gen", type=int, default=64, help="greedy tokens after the first")
     parser.add_argument("--runs", type=int, default=5, help="timed runs per stack, alternating, after a warm-up")
     parser.add_argument("--max-soft-tokens", type=int, default=280)
-    parser.add_argument("--photo", default="chelsea.png", help="a name from models.assets.photos")
+    # A path, not a built-in name: the library ships no sample photos. The measured runs used scikit-image's
+    # chelsea.png, which `python -m tests.real_media chelsea.png` fetches (pinned wheel, sha256) and prints.
+    parser.add_argument("--photo", required=True, metavar="PATH", help="the photo both stacks read (e.g. chelsea.png)")
     parser.add_argument("--mlx-vlm-path", help="a folder holding the mlx_vlm package (added to its child's path only)")
     parser.add_argument("--child", choices=["ours", "mlx_vlm"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
@@ -292,11 +294,9 @@ def main() -> None:
         child(args.child, args.path, args.text, args.photo, args.max_soft_tokens)
         return
 
-    from models.assets.photos import fetch_photos
-
     began = time.perf_counter()
     path = build_checkpoint()
-    photo = str(fetch_photos()[args.photo])
+    photo = str(Path(args.photo).resolve())
     text = chat_prompt(path)
     children = {which: Child(which, path, text, photo, args.max_soft_tokens, args.mlx_vlm_path) for which in ("ours", "mlx_vlm")}
     loads = [os.getloadavg()[0]]
@@ -327,7 +327,7 @@ def main() -> None:
     ratio = {key: statistics.median(a[key] / b[key] for a, b in zip(runs["ours"], runs["mlx_vlm"])) for key in METRICS}
     print(f"Gemma 4 random multimodal checkpoint (text: hidden {TEXT['hidden_size']}, {TEXT['num_hidden_layers']} layers, "
           f"vocab {TEXT['vocab_size']}, PLE {TEXT['hidden_size_per_layer_input']}, {TEXT['num_kv_shared_layers']} KV-shared; "
-          f"vision: hidden {VISION['hidden_size']}, {VISION['num_hidden_layers']} layers; float32), photo {args.photo}, "
+          f"vision: hidden {VISION['hidden_size']}, {VISION['num_hidden_layers']} layers; float32), photo {Path(args.photo).name}, "
           f"budget {args.max_soft_tokens}: {o['image_tokens']} image tokens, {len(o['ids'])} prompt positions; "
           f"{args.gen} greedy tokens after the first; median of {args.runs} alternating runs per stack after a warm-up")  # fmt: skip
     print(f"{o['blas']}; 1-minute load average {min(loads):.1f}-{max(loads):.1f}")

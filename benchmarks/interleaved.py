@@ -1,11 +1,10 @@
-"""Decode and prefill of several stacks, run after run in turn: ratios on a busy box.
+"""Decode and prefill of several stacks, run after run in turn: ratios on a busy machine.
 
     python -m benchmarks.interleaved                                  # 270M: float32, 8-bit, 4-bit, llama.cpp
     python -m benchmarks.interleaved --models gemma-3-270m-8bit,llama.cpp --rounds 9
 
 ``benchmarks.speed`` runs each stack in its own process, minutes apart; on a shared machine whose
-load swings (the project's 2-core box often runs other tenants' test suites) a slow spell then
-hits one stack and not the next. Here every stack is loaded once and the timed runs go
+load swings a slow spell then hits one stack and not the next. Here every stack is loaded once and the timed runs go
 round-robin (stack A, B, C, A, B, C, ...), so a slow spell hits every stack alike; each cell is the
 median of ``--rounds`` runs with its range, and the ratios are taken per round (each against the
 first stack's run of the same round) before the median. Workload as ``benchmarks.speed``: a

@@ -14,7 +14,7 @@ bits (8, 4) and rows of ``x``: milliseconds per product (median of ``--repeats``
 
 and the kernel's effective read rate (packed weight + scales + biases bytes / time). Weights are
 random (``mx.quantize`` of a normal matrix, group 64), activations too; one process, the variants
-interleaved. The box is shared: read ratios within one run.
+interleaved. On a shared machine, read ratios within one run.
 """
 
 from __future__ import annotations

@@ -9,13 +9,13 @@ The workload is a prompt of ``--prompt`` random ids (``benchmarks.speed.prompt_i
 fresh cache as a user's generation does (``models.generation.generate.prefill``: chunks of 512,
 logits of the last position); torch runs ``model(ids, logits_to_keep=1)`` with a fresh cache, as
 its ``generate`` prefills (``attn_implementation="sdpa"``), with 2 threads (the comparison) and 1
-(``--torch-threads``): on a shared box torch's two OpenMP threads collapse when another process
+(``--torch-threads``): on a shared machine torch's two OpenMP threads collapse when another process
 holds a core, and the one-thread row shows how much. Our stacks share this process
 (``kernels off`` is the float32 model with ``GEMMA_ZOO_PREFILL_KERNELS=0``, the compiled MLX
 chains and MKL's GEMM); torch runs in worker processes that import nothing of the zoo
 (``benchmarks.peers``: MKL's Intel OpenMP, which ``zoo_cpu.blas`` loads, would otherwise also serve
 torch's OpenMP calls) and computes only when handed a run. Runs go round-robin after ``GAP``
-seconds of idle each, so a slow spell of the shared box hits every stack alike; each cell is the median [range] of ``--rounds``, the ratios are per
+seconds of idle each, so a slow spell of a shared machine hits every stack alike; each cell is the median [range] of ``--rounds``, the ratios are per
 round (against torch with 2 threads, and against our float32 model with the kernels off). The load
 average is printed at the start and the end.
 """

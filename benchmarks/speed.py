@@ -1,4 +1,4 @@
-"""Speed on this machine's CPU, in one go: our stack against the peers, each in its own process.
+"""Speed on the CPU it runs on, in one go: our stack against the peers, each in its own process.
 
     python -m benchmarks.speed                       # Gemma 3 270M (real) + E2B-shaped random Gemma 4
     python -m benchmarks.speed --models gemma3 --skip llama.cpp --runs 3 --gen 128
@@ -9,7 +9,7 @@ Workload: a ``--prompt``-token prompt (BOS + random ids in [1000, 200000),
 ignored; one short warm-up (64 + 8) and ``--runs`` timed runs per process.
 prefill tok/s = prompt / time to first token; decode tok/s = (n - 1) / (last token - first token).
 Peak memory is the process's peak RSS (``getrusage``: Python, libraries, weights, caches). Each
-cell is the median of the runs with the [min-max] range: the box is a shared VM and noisy.
+cell is the median of the runs with the [min-max] range: a shared machine is noisy.
 
 The ceiling is the memory bandwidth this run measures (numpy, 2 threads each reading half of a
 1 GiB float32 array with ``max``, best of 7): decode can go no faster than bandwidth / bytes read per token (the

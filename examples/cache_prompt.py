@@ -19,11 +19,14 @@ import sys
 import time
 from pathlib import Path
 
-from examples.chat import add_generation_args, check_args, check_writable, load_model, make_session, read_chat_template
+from models.checks import regular_file
+from models.cli.checks import check_args, check_writable, read_chat_template
+from models.cli.flags import add_generation_args
+from models.cli.loading import load_model
+from models.cli.session import make_session
 from models.generation.chat import common_prefix
 from models.generation.generate import prefill
 from models.generation.prompt_cache import save_session
-from models.checks import regular_file
 
 PROBES = ("A", "B")  # two first messages that differ from their first character
 

@@ -27,13 +27,15 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from models.generation.diffusion import CommittedBlock, DenoiseStep, DiffusionResult, Finished
 import models
-from models.diffusion_model import DiffusionModel
-from models.generation.generate import GenerationOptionError, KVQuantization
-from examples.chat import add_parallel_args, check_writable, flag_error, in_parallel
-from models.processing.image_processor import Gemma4ImageProcessor
 from models.checks import regular_file
+from models.cli.checks import check_writable
+from models.cli.flags import add_kv_args, add_parallel_args, flag_error, kv_quantization_from_args
+from models.cli.ranks import in_parallel
+from models.diffusion_model import DiffusionModel
+from models.generation.diffusion import CommittedBlock, DenoiseStep, DiffusionResult, Finished
+from models.generation.generate import GenerationOptionError, KVQuantization
+from models.processing.image_processor import Gemma4ImageProcessor
 
 BRIGHT, DIM, BOLD, RESET = "\x1b[1;32m", "\x1b[2m", "\x1b[1m", "\x1b[0m"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -54,10 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast the weights on load (default: per plan, as models.load chooses)")
     p.add_argument("--plan", choices=["auto", "cpu", "accelerator"], default=None,
                    help="device plan (default: GEMMA_ZOO_PLAN, else auto: by device); --verbose names it")
-    p.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 5, 6, 8], help="store the KV cache quantized")
-    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64)
-    p.add_argument("--quantized-kv-start", type=int, default=5000,
-                   help="positions held in full precision before the cache switches to --kv-bits")  # fmt: skip
+    add_kv_args(p)
     add_parallel_args(p)
     return p.parse_args(argv)
 
@@ -199,7 +198,7 @@ def summary(result: DiffusionResult) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        kv = KVQuantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
+        kv = kv_quantization_from_args(args)
     except GenerationOptionError as err:
         print(f"error: {flag_error(err)}", file=sys.stderr)
         return 2

@@ -21,9 +21,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from examples.chat import DEFAULT_MODEL, add_generation_args, add_parallel_args, answer, check_args, in_parallel, load_model, make_session
-from models.processing.image_processor import Gemma4ImageProcessor
 from models.checks import NotAFileError, regular_file
+from models.cli.answer import answer
+from models.cli.checks import check_args
+from models.cli.flags import DEFAULT_MODEL, add_generation_args, add_parallel_args
+from models.cli.loading import load_model
+from models.cli.ranks import in_parallel
+from models.cli.session import make_session
+from models.processing.image_processor import Gemma4ImageProcessor
 
 DEFAULT_PROMPT = "Describe this image."
 DEFAULT_PROMPT_SEVERAL = "Describe these images."

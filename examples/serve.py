@@ -20,10 +20,10 @@ import argparse
 import logging
 import sys
 
-from examples.chat import (
-    FLAGS, add_generation_args, check_args, describe_sampling, flag_error, flag_sources, given_sampling, kv_quantization_from_args,
-    load_model,
-)  # fmt: skip
+from models.cli.checks import check_args
+from models.cli.flags import FLAGS, add_generation_args, flag_error, given_sampling, kv_quantization_from_args
+from models.cli.loading import load_model
+from models.cli.session import describe_sampling, flag_sources
 from models.generation.generate import GenerationOptionError, check_positive_int
 from zoo_cpu import switches
 

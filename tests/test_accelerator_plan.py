@@ -3,7 +3,7 @@ norms and RoPE) proven on MLX's CPU device.
 
 - Every parity test (each graph against transformers, cached = uncached, batched = alone,
   speculative = plain) runs a second time under ``GEMMA_ZOO_PLAN=accelerator`` in a child pytest
-  (``PARITY_FILES``); the main run is the CPU plan on this machine.
+  (``PARITY_FILES``); the main run is the CPU plan on MLX's CPU device.
 - In bfloat16, against transformers in bfloat16 and in float64 from the same bf16 weights, with
   bounds that fit bf16, and each bound shown to fail when a deliberate error is injected (a RoPE
   offset that ignores the cache, a dropped mask):

@@ -95,7 +95,7 @@ def test_prompt_from_stdin_is_refused_by_name_in_a_split_run(capsys):
 
 
 def test_the_writability_probe_leaves_nothing_behind(tmp_path):
-    from examples.chat import check_writable
+    from models.cli.checks import check_writable
 
     target = tmp_path / "new.json"
     assert check_writable(str(target), "--transcript") is None and not target.exists()

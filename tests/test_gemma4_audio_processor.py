@@ -4,7 +4,7 @@ Our features are the reference extractor's (built from the checkpoint's settings
 frames its mask marks valid; what is checked is everything around it: decoding, mixing,
 resampling, the valid-frame cut, the token count, the settings plumbing and the refusals.
 Signals: sweeps, silence, a clipped (saturated) tone, 8 kHz and 44.1 kHz sources, stereo, and
-(slow) one real recording in six containers (``models.assets.media``).
+(slow) one real recording in six containers (``tests.real_media``).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def test_non_audio_files_are_refused(tmp_path):
 @pytest.mark.slow
 def test_a_real_recording_in_six_containers():
     from models.assets.fetch import AssetFetchError
-    from models.assets.media import AUDIO_FILES, fetch_media
+    from tests.real_media import AUDIO_FILES, fetch_media
 
     try:
         paths = fetch_media(AUDIO_FILES)

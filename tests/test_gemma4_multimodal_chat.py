@@ -4,7 +4,7 @@ The checkpoint has the released vocabulary (262,144 ids), so the template's ``<|
 placeholder (258880) and ``<|image>`` / ``<image|>`` (255999 / 258882) are the model's own image
 ids. The session keeps its cache across turns; whatever a turn feeds (an image after cached text,
 text after a cached image, a rebuilt cache after edited history) must give what a fresh prefill of
-the whole conversation gives. The photos are real (``models.assets.photos``).
+the whole conversation gives. The photos are real (``tests.real_media``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import models  # noqa: E402
 from models.assets.fetch import AssetFetchError  # noqa: E402
 from models.generation.chat import ChatSession  # noqa: E402
 from models.generation.generate import prefill  # noqa: E402
-from models.assets.photos import fetch_photos  # noqa: E402
+from tests.real_media import fetch_photos  # noqa: E402
 from models.assets.gemma4_tokenizer import gemma4_tokenizer_dir  # noqa: E402
 from tests.hf_tiny import F, S, T5_TEXT, T5_VISION  # noqa: E402
 from tests.test_gemma4_vision_parity import randomize  # noqa: E402

@@ -59,7 +59,7 @@ def model(checkpoint):
 
 @pytest.fixture(scope="module")
 def media():
-    from models.assets.media import fetch_media
+    from tests.real_media import fetch_media
 
     try:
         found = fetch_media(["lena.wav", "carphone_pristine.mp4"])

@@ -172,8 +172,8 @@ def test_an_mlx_vlm_conversion_s_settings_are_read(tmp_path):
 def fetched(what: str, names=None) -> dict:
     """The cached real assets (``models.assets``): ``what`` is "photos" or "media"; skip when they cannot be downloaded."""
     from models.assets.fetch import AssetFetchError
-    from models.assets.media import fetch_media
-    from models.assets.photos import fetch_photos
+    from tests.real_media import fetch_media
+    from tests.real_media import fetch_photos
 
     try:
         return fetch_photos() if what == "photos" else fetch_media(names)
@@ -197,7 +197,7 @@ def test_real_videos_equal_the_reference(budget):
 
     from transformers.video_utils import default_sample_indices_fn, read_video_pyav
 
-    from models.assets.media import VIDEO_FILES
+    from tests.real_media import VIDEO_FILES
 
     paths = fetched("media", VIDEO_FILES)
     for name, path in paths.items():
@@ -210,7 +210,7 @@ def test_real_videos_equal_the_reference(budget):
 
 @pytest.mark.slow
 def test_a_real_recording_in_six_containers():
-    from models.assets.media import AUDIO_FILES
+    from tests.real_media import AUDIO_FILES
 
     paths = fetched("media", AUDIO_FILES)
     processor = Gemma4UnifiedAudioProcessor()

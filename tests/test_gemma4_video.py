@@ -197,7 +197,7 @@ def test_processor_equals_the_reference_on_real_videos(budget):
     from transformers.video_utils import default_sample_indices_fn, read_video_pyav
 
     from models.assets.fetch import AssetFetchError
-    from models.assets.media import VIDEO_FILES, fetch_media
+    from tests.real_media import VIDEO_FILES, fetch_media
 
     try:
         paths = fetch_media(VIDEO_FILES)

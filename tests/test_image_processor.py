@@ -23,7 +23,7 @@ from models.processing.image_processor import (
     ProcessedImage,
     target_size,
 )
-from models.assets.photos import PHOTOS, fetch_photos
+from tests.real_media import PHOTOS, fetch_photos
 from zoo_cpu import switches
 
 transformers_gemma4 = pytest.importorskip("transformers.models.gemma4.image_processing_pil_gemma4")

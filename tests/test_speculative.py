@@ -17,8 +17,8 @@ pytest.importorskip("transformers")
 import models  # noqa: F401  (a fast BLAS before MLX)
 
 from graphs.gemma4_assistant_config import DrafterMismatchError
-from models.generation.generate import GenerationOptionError, KVQuantization
-from models.generation.speculative import AssistantDrafter, ModelDrafter, make_drafter
+from models.generation.generate import GenerationOptionError, KVQuantization, generate_tokens
+from models.generation.speculative import AssistantDrafter, ModelDrafter, make_drafter, speculative_tokens
 from tests.speculative_tiny import WrongOnPurpose, first_difference, gemma4_pair, run
 
 PROMPT = [2, 17, 99, 45, 3, 200, 18, 7, 77, 5, 61, 62, 63]
@@ -107,3 +107,17 @@ def test_mismatched_drafters_are_named_errors(gemma4, tmp_path):
     with pytest.raises(GenerationOptionError, match="num_draft_tokens"):
         run(target, PROMPT, 4, draft=assistant, num_draft_tokens=0)
     assert isinstance(make_drafter(assistant, target), AssistantDrafter)
+
+
+@pytest.mark.parametrize("loop", [
+    lambda **options: generate_tokens(None, [1], [], **options),
+    lambda **options: speculative_tokens(None, None, [1], [], **options),
+], ids=["plain", "speculative"])  # fmt: skip
+def test_both_loops_take_one_set_of_options_checked_alike(loop):
+    """The loops share ``LoopOptions``: a bad value is refused by name before any model work, an unknown option too."""
+    with pytest.raises(GenerationOptionError, match="max_tokens"):
+        next(loop(max_tokens=0))
+    with pytest.raises(GenerationOptionError, match="prefill_step_size"):
+        next(loop(prefill_step_size=-1))
+    with pytest.raises(TypeError, match="no_such_option"):
+        next(loop(no_such_option=1))

@@ -1,7 +1,8 @@
 """A decode step's small work as one graph node each: the zoo extension's decode primitives.
 
-A decode step of the 270M is ~1,200 MLX graph nodes, and on the CPU each node costs its stream a
-task handed to a worker thread, which on a small model outweighs the arithmetic. The extension
+A decode step is a thousand or more small MLX graph nodes (docs/speed.md counts the 270M's), and on
+the CPU each node costs its stream a task handed to a worker thread, which on a small model
+outweighs the arithmetic. The extension
 (``zoo_cpu/src/decode*``) adds two primitives, and ``zoo_cpu.prefill.rms_norm`` takes a shift and
 a residual, so that the pieces a layer repeats are one node each:
 

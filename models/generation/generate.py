@@ -19,6 +19,7 @@ import math
 import numbers
 import secrets
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Sequence
 
@@ -338,88 +339,144 @@ def check_context(cache: list, new: int, max_context: int | None) -> int:
     return offset
 
 
-def generate_tokens(
-    forward,
-    prompt_ids: Sequence[int],
-    cache,
-    *,
-    sampling: SamplingOptions | None = None,
-    max_tokens: int = 256,
-    stop_ids: Iterable[int] = (),
-    prefill_step_size: int = DEFAULT_PREFILL_STEP,
-    should_stop: Callable[[], bool] = lambda: False,
-    stats: GenerationStats | None = None,
-    images: Sequence[ImageSpan] = (),
-    kv_quantization: KVQuantization | None = None,
-    overlap: bool = False,
-    max_context: int | None = None,
-) -> Iterator[int]:
+@dataclass
+class LoopOptions:
+    """What every token loop (``generate_tokens``, ``speculative_tokens``) takes besides its model,
+    prompt and cache; the loops take these as keywords.
+
+    ``max_context`` (positions the model can hold): a prompt that does not fit is refused before any
+    work, and an answer that fills the context ends with finish reason ``"length"``. ``should_stop``
+    is asked between prefill chunks and between tokens; an interrupted prefill yields nothing and
+    leaves its chunks in the cache (a caller that keeps the cache rolls it back). ``images`` are the
+    image spans of the prompt (see ``prefill``); ``kv_quantization`` switches the caches to quantized
+    storage once they hold enough positions. ``stats`` is filled in. A stop id ends the stream
+    unyielded and unfed."""
+
+    sampling: SamplingOptions | None = None
+    max_tokens: int = 256
+    stop_ids: Iterable[int] = ()
+    prefill_step_size: int = DEFAULT_PREFILL_STEP
+    should_stop: Callable[[], bool] = lambda: False
+    stats: GenerationStats | None = None
+    images: Sequence[ImageSpan] = ()
+    kv_quantization: KVQuantization | None = None
+    max_context: int | None = None
+
+
+class TokenLoop:
+    """The state the token loops share: the checked options, the stats and their timing, the prefill
+    (an interrupted one ends the loop with the chunks fed so far counted), the stop rule and the
+    bookkeeping of yielded tokens."""
+
+    def __init__(self, prompt_ids: Sequence[int], cache: list, options: LoopOptions):
+        self.prompt_ids, self.cache = prompt_ids, cache
+        self.max_tokens = check_positive_int("max_tokens", options.max_tokens)
+        self.prefill_step = check_positive_int("prefill_step_size", options.prefill_step_size)
+        self.sampling = options.sampling or SamplingOptions()
+        self.stop_ids = set(options.stop_ids)
+        self.should_stop = options.should_stop
+        self.stats = options.stats if options.stats is not None else GenerationStats()
+        self.images, self.kv_quantization, self.max_context = options.images, options.kv_quantization, options.max_context
+        self.offset = check_context(cache, len(prompt_ids), self.max_context)
+        self.clock = time.perf_counter()
+
+    def prefill(self, forward) -> mx.array | None:
+        """The logits [V] of the prompt's last position, or None when ``should_stop`` interrupted it
+        (the finish reason is then ``"interrupted"``, and the loop ends)."""
+        self.clock = time.perf_counter()
+        logits = prefill(forward, self.prompt_ids, self.cache, self.prefill_step, self.images, self.kv_quantization, self.should_stop)
+        if logits is None:
+            self.stats.prompt_tokens = cache_offset(self.cache) - self.offset
+            self.stats.prompt_seconds = time.perf_counter() - self.clock
+            self.stats.finish_reason = "interrupted"
+        return logits
+
+    def prefilled(self) -> None:
+        """The first token is sampled: the prompt's time ends here, the answer's begins."""
+        now = time.perf_counter()
+        self.stats.prompt_tokens = len(self.prompt_ids)
+        self.stats.prompt_seconds, self.clock = now - self.clock, now
+
+    @contextmanager
+    def answering(self):
+        """Around the answer: its seconds and the peak memory are recorded however it ends."""
+        try:
+            yield
+        finally:
+            self.stats.generation_seconds = time.perf_counter() - self.clock
+            self.stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+
+    def spent(self) -> bool:
+        return self.stats.generation_tokens >= self.max_tokens
+
+    def has_room(self) -> bool:
+        """Whether the context has a position left for one more token."""
+        return self.max_context is None or cache_offset(self.cache) < self.max_context
+
+    def ends(self, token: int, room: bool = True) -> bool:
+        """Whether the answer ends before ``token`` (sampled, not yet yielded), with the finish reason
+        set: ``"stop"`` (a stop id), ``"length"`` (``max_tokens`` reached, or no ``room`` in the
+        context), ``"interrupted"`` (``should_stop`` asked)."""
+        if token in self.stop_ids:
+            reason = "stop"
+        elif self.spent():
+            reason = "length"
+        elif self.should_stop():
+            reason = "interrupted"
+        else:
+            reason = None if room else "length"
+        self.stats.finish_reason = reason or self.stats.finish_reason
+        return reason is not None
+
+    def quantize(self) -> None:
+        if self.kv_quantization is not None:
+            self.kv_quantization.apply(self.cache)
+
+    def emit(self, token: int) -> None:
+        """``token`` is fed and about to be yielded."""
+        self.stats.generation_tokens += 1
+        self.stats.tokens.append(token)
+
+
+def generate_tokens(forward, prompt_ids: Sequence[int], cache, *, overlap: bool = False, **options) -> Iterator[int]:
     """Yield generated token ids; each yielded id has already been fed to ``cache``.
 
-    ``forward(ids [1, L], cache, last_only)`` returns logits. With ``overlap`` (the accelerator
-    plan's: ``Model.stream`` passes ``DevicePlan.overlap``) the step feeding a token is queued
-    (``mx.async_eval``) before the token is read, as mlx-lm does, so the host builds graphs while
-    the device computes; on the CPU host and compute share the cores and reading first is faster
-    (docs/speed.md). A stop id ends the stream
-    unyielded and unfed (a queued step is trimmed off), so a chat's cache holds exactly the prompt
-    and the answer.
-
-    ``max_context`` (positions the model can hold): a prompt that does not fit is refused before
-    any work, and an answer that fills the context ends with finish reason ``"length"``.
-    ``should_stop`` is also asked between prefill chunks; an interrupted prefill yields nothing
-    and leaves its chunks in the cache (a caller that keeps the cache rolls it back).
-    ``images`` are the image spans of ``prompt_ids`` (see ``prefill``); ``kv_quantization`` switches
-    the caches to quantized storage once they hold enough positions. ``stats`` is filled in.
+    ``forward(ids [1, L], cache, last_only)`` returns logits; ``options`` are ``LoopOptions``' fields.
+    With ``overlap`` (the accelerator plan's: ``Model.stream`` passes ``DevicePlan.overlap``) the
+    step feeding a token is queued (``mx.async_eval``) before the token is read, as mlx-lm does, so
+    the host builds graphs while the device computes; on the CPU host and compute share the cores
+    and reading first is faster (docs/speed.md). A stop id ends the stream unyielded and unfed (a
+    queued step is trimmed off), so a chat's cache holds exactly the prompt and the answer.
     """
-    max_tokens = check_positive_int("max_tokens", max_tokens)
-    prefill_step_size = check_positive_int("prefill_step_size", prefill_step_size)
-    sample = TokenSampler(sampling or SamplingOptions(), prompt_ids)
-    stop_ids = set(stop_ids)
-    stats = stats if stats is not None else GenerationStats()
-    offset = check_context(cache, len(prompt_ids), max_context)
+    loop = TokenLoop(prompt_ids, cache, LoopOptions(**options))
+    sample = TokenSampler(loop.sampling, prompt_ids)
 
     def step(y: mx.array) -> mx.array:
         return sample(forward(y.reshape(1, 1), cache, last_only=True)[:, -1])
 
-    start = time.perf_counter()
-    logits = prefill(forward, prompt_ids, cache, prefill_step_size, images, kv_quantization, should_stop)
+    logits = loop.prefill(forward)
     if logits is None:
-        stats.prompt_tokens = cache_offset(cache) - offset
-        stats.prompt_seconds = time.perf_counter() - start
-        stats.finish_reason = "interrupted"
         return
     y = sample(logits[None])
     mx.eval(y)
-    stats.prompt_tokens = len(prompt_ids)
-    stats.prompt_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    try:
+    loop.prefilled()
+    with loop.answering():
         while True:
-            if stats.generation_tokens >= max_tokens:
-                stats.finish_reason = "stop" if int(y.item()) in stop_ids else "length"
-                return
-            # y can be fed only while the context has a position left for it.
-            room = max_context is None or cache_offset(cache) < max_context
-            if kv_quantization is not None:
-                kv_quantization.apply(cache)
-            if overlap and room:  # queue the step feeding y before reading y (trimmed off below if y stops)
+            # y can be fed only while the context has a position left for it, and the budget a token.
+            room, spent = loop.has_room(), loop.spent()
+            queued = overlap and room and not spent  # the step feeding y, queued before y is read (trimmed off if y stops)
+            if not spent:
+                loop.quantize()
+            if queued:
                 next_y = step(y)
                 mx.async_eval(next_y)
             token = int(y.item())
-            if token in stop_ids or should_stop():
-                stats.finish_reason = "stop" if token in stop_ids else "interrupted"
-                if overlap and room and not trim_cache(cache, 1):
+            if loop.ends(token, room):
+                if queued and not trim_cache(cache, 1):
                     raise RuntimeError("generate_tokens: the caches cannot drop the unfed last token")
-                return
-            if not room:
-                stats.finish_reason = "length"
                 return
             if not overlap:
                 next_y = step(y)  # fed now, computed when the next token is read
-            stats.generation_tokens += 1
-            stats.tokens.append(token)
+            loop.emit(token)
             yield token
             y = next_y
-    finally:
-        stats.generation_seconds = time.perf_counter() - start
-        stats.peak_memory_gb = mx.get_peak_memory() / 1e9

@@ -19,9 +19,8 @@ to the target's cache and a stop token never is. Batch size 1.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -31,10 +30,8 @@ from graphs.gemma4_assistant import Gemma4AssistantModel
 from graphs.gemma4_assistant_config import DrafterMismatchError
 
 from models.generation.generate import (
-    DEFAULT_PREFILL_STEP, GenerationOptionError, GenerationStats, KVQuantization, SamplingOptions, check_context,
-    check_positive_int, filter_logprobs, prefill,
+    DEFAULT_PREFILL_STEP, GenerationOptionError, LoopOptions, SamplingOptions, TokenLoop, check_positive_int, filter_logprobs,
 )  # fmt: skip
-from models.generation.prompts import ImageSpan
 from zoo_cpu import fast_math
 
 MAX_DRAFT_TOKENS = 16  # a rollback of k positions must fit a sliding cache's slack (16 by default)
@@ -215,52 +212,41 @@ def check_speculative_sampling(options: SamplingOptions) -> None:
                                     "speculative decoding applies no repetition penalty; use 1 or no draft model")  # fmt: skip
 
 
-def speculative_tokens(
-    target,
-    drafter,
-    prompt_ids: Sequence[int],
-    cache: list,
-    *,
-    num_draft_tokens: int = 4,
-    sampling: SamplingOptions | None = None,
-    max_tokens: int = 256,
-    stop_ids: Iterable[int] = (),
-    prefill_step_size: int = DEFAULT_PREFILL_STEP,
-    should_stop: Callable[[], bool] = lambda: False,
-    stats: GenerationStats | None = None,
-    images: Sequence[ImageSpan] = (),
-    kv_quantization: KVQuantization | None = None,
-    max_context: int | None = None,
-) -> Iterator[int]:
-    """Yield generated ids as ``generate_tokens`` does, drafting ``num_draft_tokens`` per target step.
+def check_num_draft_tokens(value) -> int:
+    """``value`` as an int if it is a whole number in [1, ``MAX_DRAFT_TOKENS``], else ``GenerationOptionError``."""
+    value = check_positive_int("num_draft_tokens", value)
+    if value > MAX_DRAFT_TOKENS:
+        raise GenerationOptionError("num_draft_tokens", value, f"must be at most {MAX_DRAFT_TOKENS}")
+    return value
+
+
+def speculative_tokens(target, drafter, prompt_ids: Sequence[int], cache: list, *, num_draft_tokens: int = 4, **options) -> Iterator[int]:
+    """Yield generated ids as ``generate_tokens`` does (``options`` are ``LoopOptions``' fields),
+    drafting ``num_draft_tokens`` per target step.
 
     ``target`` is a loaded ``Model`` (its graph is called directly); ``drafter`` an
     ``AssistantDrafter`` or ``ModelDrafter``. ``stats.speculation`` (a ``SpeculationCounts``) is
     filled in. Greedy output equals ``generate_tokens``' token for token (up to float ties between
     the window and decode kernels); sampled output has the target's distribution.
     """
-    options = sampling or SamplingOptions()
-    check_speculative_sampling(options)
-    if options.seed is not None:
-        mx.random.seed(options.seed)
-    k_max = check_positive_int("num_draft_tokens", num_draft_tokens)
-    if k_max > MAX_DRAFT_TOKENS:
-        raise GenerationOptionError("num_draft_tokens", num_draft_tokens, f"must be at most {MAX_DRAFT_TOKENS}")
-    max_tokens = check_positive_int("max_tokens", max_tokens)
-    stop_ids = set(stop_ids)
-    stats = stats if stats is not None else GenerationStats()
+    loop = TokenLoop(prompt_ids, cache, LoopOptions(**options))
+    sampling = loop.sampling
+    check_speculative_sampling(sampling)
+    if sampling.seed is not None:
+        mx.random.seed(sampling.seed)
+    k_max = check_num_draft_tokens(num_draft_tokens)
     counts = SpeculationCounts()
-    stats.speculation = counts
-    greedy = options.temp == 0
+    loop.stats.speculation = counts
+    greedy = sampling.temp == 0
     graph = target.graph
     needs_hidden = drafter.needs_hidden
-    offset = check_context(cache, len(prompt_ids), max_context)
+    kv_quantization, max_context = loop.kv_quantization, loop.max_context
 
     def choose(logits: mx.array):
         """A token from logits ``[V]`` and the distribution it was drawn from (None when greedy)."""
         if greedy:
             return mx.argmax(logits, axis=-1), None
-        probs = distribution(logits, options)
+        probs = distribution(logits, sampling)
         return _sample(probs), probs
 
     captured = {}
@@ -272,36 +258,24 @@ def speculative_tokens(
         captured["hidden"] = hidden
         return logits
 
-    start = time.perf_counter()
-    logits = prefill(forward, prompt_ids, cache, check_positive_int("prefill_step_size", prefill_step_size),
-                     images, kv_quantization, should_stop)  # fmt: skip
+    logits = loop.prefill(forward)
     if logits is None:
-        stats.prompt_tokens = cache_offset(cache) - offset
-        stats.prompt_seconds = time.perf_counter() - start
-        stats.finish_reason = "interrupted"
         return
     y, _ = choose(logits)
     hidden = captured.get("hidden")
     hidden = None if hidden is None else hidden[:, -1:]
-    drafter.start(offset, prompt_ids)
+    drafter.start(loop.offset, prompt_ids)
     mx.eval(y)
-    stats.prompt_tokens = len(prompt_ids)
-    stats.prompt_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    try:
+    loop.prefilled()
+    with loop.answering():
         while True:
             token = int(y.item())
-            remaining = max_tokens - stats.generation_tokens
-            if remaining <= 0 or token in stop_ids or should_stop():
-                stats.finish_reason = "stop" if token in stop_ids else "length" if remaining <= 0 else "interrupted"
-                return
             n = cache_offset(cache)
-            if max_context is not None and n >= max_context:
-                stats.finish_reason = "length"
+            if loop.ends(token, room=max_context is None or n < max_context):
                 return
-            if kv_quantization is not None:
-                kv_quantization.apply(cache)
+            loop.quantize()
             # At most k drafts, within the token budget and the context.
+            remaining = loop.max_tokens - loop.stats.generation_tokens
             k = min(k_max, remaining - 1, (max_context - n - 1) if max_context is not None else k_max)
             if kv_quantization is not None and kv_quantization.bits is not None and n < kv_quantization.start:
                 # Storage switches to quantized exactly where the plain loop switches it (at `start`),
@@ -323,7 +297,7 @@ def speculative_tokens(
                     m += 1
                 next_y = mx.array(wanted[m])
             else:
-                m, next_y, proposed = _accept_sampled(verify, drafts, dists, options)
+                m, next_y, proposed = _accept_sampled(verify, drafts, dists, sampling)
             counts.accepted += m
             if k - m and not trim_cache(cache, k - m):
                 raise RuntimeError("speculative decoding: the target's caches cannot drop the rejected positions")
@@ -332,22 +306,16 @@ def speculative_tokens(
             emitted = [token] + proposed[:m]
             drafter.settle(emitted, cache_offset(cache))
             for i, t in enumerate(emitted):
-                if i and (t in stop_ids or should_stop()):
+                if i and loop.ends(t):
                     # Keep exactly the yielded tokens in the caches: drop t and what follows it.
-                    drop = len(emitted) - i
-                    if not trim_cache(cache, drop):
+                    if not trim_cache(cache, len(emitted) - i):
                         raise RuntimeError("speculative decoding: the target's caches cannot drop an unyielded stop token")
                     drafter.rollback(cache_offset(cache))
-                    stats.finish_reason = "stop" if t in stop_ids else "interrupted"
                     return
-                stats.generation_tokens += 1
+                loop.emit(t)
                 counts.emitted += 1
-                stats.tokens.append(t)
                 yield t
             y = next_y
-    finally:
-        stats.generation_seconds = time.perf_counter() - start
-        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
 
 
 def _accept_sampled(verify: mx.array, drafts: list, dists: list, options: SamplingOptions):
