@@ -8,7 +8,9 @@ so a benchmark that silently stops measuring one of its stacks fails the suite. 
 
 - a stack of ours must have a row: skipping it for any reason is a failure;
 - a peer whose package is installed must have a row; one whose package is not installed is
-  reported as not installed (never as a row), and is checked to be really absent;
+  reported as not installed (never as a row), and is checked to be really absent; a peer that
+  ran and refused the configuration itself (its own ``NotImplementedError``) is reported as
+  unsupported, a measured result;
 - a row's measurements must be finite and positive;
 - the stacks of an agreement group (same weights, same arithmetic precision, greedy) must give
   the same token ids.
@@ -53,6 +55,10 @@ class Record:
         status = "not installed" if package and not installed(package) else "skipped"
         self.stacks[stack] = {"status": status, "ours": ours, "reason": reason, "package": package}
 
+    def unsupported(self, stack: str, reason: str) -> None:
+        """A peer that ran and refused the configuration (its own ``NotImplementedError``)."""
+        self.stacks[stack] = {"status": "unsupported", "ours": False, "reason": reason}
+
     def agree(self, *stacks: str) -> None:
         """These stacks must give the same token ids (those with a row are compared)."""
         self.groups.append(list(stacks))
@@ -85,6 +91,9 @@ def problems(record: dict) -> list[str]:
                 found.append(f"{name}: generated no tokens")
         elif s["ours"]:
             found.append(f"{name} (ours) has no row: {s['reason']}")
+        elif s["status"] == "unsupported":
+            if not s["reason"].startswith("NotImplementedError"):
+                found.append(f"{name} is called unsupported, but failed otherwise: {s['reason']}")
         elif s["status"] != "not installed":
             found.append(f"{name} is installed but has no row: {s['reason']}")
         elif installed(s["package"]):

@@ -18,6 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # module -> extra arguments; the seconds in comments are a 2-core machine's.
 BENCHMARKS = {
+    "compiled_step": [],  # ~10 s
+    "gemma4_text_vs_mlx_lm": [],  # ~20 s
+    "interleaved": [],  # ~15 s
+    "kv_quantization": [],  # ~30 s: 6 processes
+    "packed_kernels": [],  # ~1 s
+    "prefill": [],  # ~15 s
     "speed": [],  # ~70 s: 2 tiny models x 6 stacks, each in its own process
 }
 SLOW = {}  # benchmarks whose smoke mode needs real assets
@@ -126,3 +132,12 @@ def test_a_record_is_read_back_from_the_output(capsys):
     r.missing("ours 4-bit", "failed")
     with pytest.raises(SystemExit):
         r.finish()
+
+
+def test_a_peer_may_refuse_a_configuration_only_with_its_own_not_implemented_error():
+    r = smoke.Record("t")
+    r.row("ours", [1])
+    r.unsupported("peer kv 8-bit", "NotImplementedError: RotatingKVCache Quantization NYI")
+    assert smoke.problems(r.as_dict()) == []
+    r.unsupported("peer kv 4-bit", "ValueError: shapes")
+    assert smoke.problems(r.as_dict()) == ["peer kv 4-bit is called unsupported, but failed otherwise: ValueError: shapes"]
