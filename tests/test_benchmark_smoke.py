@@ -23,7 +23,9 @@ BENCHMARKS = {
     "interleaved": [],  # ~15 s
     "kv_quantization": [],  # ~30 s: 6 processes
     "packed_kernels": [],  # ~1 s
+    "batching": [],  # ~60 s: 5 processes
     "prefill": [],  # ~15 s
+    "speculative": [],  # ~40 s: a 270M-shaped random Gemma 4 target for the assistant
     "speed": [],  # ~70 s: 2 tiny models x 6 stacks, each in its own process
 }
 SLOW = {}  # benchmarks whose smoke mode needs real assets
