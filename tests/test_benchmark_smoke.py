@@ -20,15 +20,20 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = {
     "compiled_step": [],  # ~10 s
     "gemma4_text_vs_mlx_lm": [],  # ~20 s
+    "gemma4_vision_vs_mlx_vlm": [],  # ~30 s (the benchmark's small random checkpoint, built once)
     "interleaved": [],  # ~15 s
     "kv_quantization": [],  # ~30 s: 6 processes
+    "long_context": [],  # ~15 s
     "packed_kernels": [],  # ~1 s
     "batching": [],  # ~60 s: 5 processes
     "prefill": [],  # ~15 s
     "speculative": [],  # ~40 s: a 270M-shaped random Gemma 4 target for the assistant
     "speed": [],  # ~70 s: 2 tiny models x 6 stacks, each in its own process
 }
-SLOW = {}  # benchmarks whose smoke mode needs real assets
+# benchmarks whose smoke mode needs real assets or a large checkpoint (built once, minutes)
+SLOW = {
+    "gemma4_media_vs_mlx_vlm": [],  # an audio tower of the released size: ~1.5 GB written once
+}
 
 
 def run_smoke(module: str, extra: list[str]) -> dict:
