@@ -32,7 +32,11 @@ BENCHMARKS = {
 }
 # benchmarks whose smoke mode needs real assets or a large checkpoint (built once, minutes)
 SLOW = {
+    "accelerator_check": [],  # a parity file and four benchmarks' smoke runs under the accelerator plan: minutes
+    "distributed": [],  # 2-rank launches; the MoE-shaped checkpoint is built once
     "gemma4_media_vs_mlx_vlm": [],  # an audio tower of the released size: ~1.5 GB written once
+    "gemma4_unified_vs_mlx_vlm": [],  # the released media embedders: built once, ~1 GB
+    "server": [],  # the real 270M behind both servers
 }
 
 
