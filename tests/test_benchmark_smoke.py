@@ -28,7 +28,7 @@ BENCHMARKS = {
     "batching": [],  # ~60 s: 5 processes
     "prefill": [],  # ~15 s
     "speculative": [],  # ~40 s: a 270M-shaped random Gemma 4 target for the assistant
-    "speed": [],  # ~70 s: 2 tiny models x 6 stacks, each in its own process
+    "speed": ["--models", "gemma3"],  # ~35 s: 6 stacks, each in its own process (Gemma 4: gemma4_text_vs_mlx_lm)
 }
 # benchmarks whose smoke mode needs real assets or a large checkpoint (built once, minutes)
 SLOW = {
