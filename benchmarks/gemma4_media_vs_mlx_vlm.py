@@ -126,12 +126,7 @@ def main() -> None:
     for name, mine, other in ((f"audio {args.seconds:g} s", ours_audio, theirs_audio),
                               (f"video {args.frames} frames", ours_video, theirs_video)):  # fmt: skip
         if not peer:
-            mine()  # warm-up
-            times = []
-            for _ in range(args.runs):
-                start = time.perf_counter()
-                mine()
-                times.append(time.perf_counter() - start)
+            times = smoke.alone(mine, args.runs)
             print(f"| {name} | {statistics.median(times):.2f} s [{min(times):.2f}-{max(times):.2f}] | - | - | |", flush=True)
             record.row(f"ours {name}", seconds=statistics.median(times))
             continue

@@ -192,12 +192,7 @@ def ours_alone(path: Path, args) -> None:
               ("time to first token", lambda: mx.eval(first_token()[2]))]  # fmt: skip
     print("| what | ours |\n|---|---|")
     for name, fn in cases:
-        fn()  # warm-up
-        times = []
-        for _ in range(args.runs):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
+        times = smoke.alone(fn, args.runs)
         print(f"| {name} | {cell(times)} |", flush=True)
         record.row(f"ours {name}", seconds=statistics.median(times))
     runs = [greedy() for _ in range(args.runs)]

@@ -76,6 +76,20 @@ class Record:
             raise SystemExit(1)
 
 
+def alone(fn, runs: int) -> list[float]:
+    """Seconds of each of ``runs`` calls of ``fn`` after one warm-up call: our side of a
+    comparison whose peer is not installed."""
+    import time
+
+    fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def problems(record: dict) -> list[str]:
     """What is wrong with a smoke record (an empty list: nothing)."""
     found = []
