@@ -16,19 +16,20 @@ from benchmarks import smoke
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# module -> extra arguments; the seconds in comments are a 2-core machine's.
+# module -> extra arguments. Comments: wall seconds of one smoke run on the 2-core VM at load
+# average 4-15 (other jobs running); at load 15 the whole set below took about 20 minutes.
 BENCHMARKS = {
-    "compiled_step": [],  # ~10 s
-    "gemma4_text_vs_mlx_lm": [],  # ~20 s
-    "gemma4_vision_vs_mlx_vlm": [],  # ~30 s (the benchmark's small random checkpoint, built once)
-    "interleaved": [],  # ~15 s
-    "kv_quantization": [],  # ~30 s: 6 processes
-    "long_context": [],  # ~15 s
-    "packed_kernels": [],  # ~1 s
-    "batching": [],  # ~60 s: 5 processes
-    "prefill": [],  # ~15 s
-    "speculative": [],  # ~40 s: a 270M-shaped random Gemma 4 target for the assistant
-    "speed": ["--models", "gemma3"],  # ~35 s: 6 stacks, each in its own process (Gemma 4: gemma4_text_vs_mlx_lm)
+    "batching": [],  # 80 s: 5 processes
+    "compiled_step": [],  # 12 s
+    "gemma4_text_vs_mlx_lm": [],  # 19 s
+    "gemma4_vision_vs_mlx_vlm": [],  # 70 s without mlx-vlm, 265 s with it at load 13 (both load 1 GB side by side)
+    "interleaved": [],  # 38 s
+    "kv_quantization": [],  # 75 s: 6 processes
+    "long_context": [],  # 21 s
+    "packed_kernels": [],  # 1 s
+    "prefill": [],  # 36 s
+    "speculative": [],  # 62 s: a 270M-shaped random Gemma 4 target for the assistant
+    "speed": ["--models", "gemma3"],  # 70 s: 6 stacks, each in its own process (Gemma 4: gemma4_text_vs_mlx_lm)
 }
 # benchmarks whose smoke mode needs real assets or a large checkpoint (built once, minutes)
 SLOW = {
