@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import sys
 from importlib.util import find_spec
 from pathlib import Path
@@ -140,10 +142,11 @@ TINY = {
     "gemma3": dict(vocab_size=262144, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                    num_attention_heads=2, num_key_value_heads=1, head_dim=64, query_pre_attn_scalar=64,
                    sliding_window=16, layer_types=[S] * 5 + [F], max_position_embeddings=4096),
+    # 8 layers: the last 2 share the keys and values of layers 4-5, so a 2-stage pipeline can split 0-3 | 4-7
     "gemma4": dict(vocab_size=262144, vocab_size_per_layer_input=262144, hidden_size=64, intermediate_size=128,
-                   num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                   num_hidden_layers=8, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                    global_head_dim=128, hidden_size_per_layer_input=8, num_kv_shared_layers=2,
-                   sliding_window=16, layer_types=[S, F, S, F], final_logit_softcapping=30.0,
+                   sliding_window=16, layer_types=[S, F] * 4, final_logit_softcapping=30.0,
                    max_position_embeddings=4096),
 }  # fmt: skip
 
@@ -151,14 +154,17 @@ TINY = {
 def tiny_checkpoint(family: str) -> Path:
     """A random tiny ``family`` ("gemma3" or "gemma4") causal LM saved by transformers, built once
     under ``.assets/bench``, with the config fields mlx-lm reads."""
-    folder = ROOT / ".assets" / "bench" / f"smoke-{family}"
+    if family not in TINY:
+        raise ValueError(f"tiny_checkpoint: unknown family {family!r} (known: {sorted(TINY)})")
+    import hashlib
+
+    shape = hashlib.sha256(json.dumps(TINY[family], sort_keys=True).encode()).hexdigest()[:8]
+    folder = ROOT / ".assets" / "bench" / f"smoke-{family}-{shape}"  # a changed shape is a new folder
     if (folder / "model.safetensors").is_file():
         return folder
     import torch
     import transformers
 
-    if family not in TINY:
-        raise ValueError(f"tiny_checkpoint: unknown family {family!r} (known: {sorted(TINY)})")
     config_class, model_class = {
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
@@ -166,9 +172,14 @@ def tiny_checkpoint(family: str) -> Path:
     torch.manual_seed(0)
     raw = dict(TINY[family], pad_token_id=0, bos_token_id=2, eos_token_id=1, initializer_range=0.02)
     model = model_class(config_class(**raw)).eval()
-    model.save_pretrained(folder)
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")  # whole or absent: processes may race
+    model.save_pretrained(partial)
     if family == "gemma4":  # mlx-lm reads global_head_dim as a plain field
-        config = json.loads((folder / "config.json").read_text())
+        config = json.loads((partial / "config.json").read_text())
         config.update(global_head_dim=TINY[family]["global_head_dim"])
-        (folder / "config.json").write_text(json.dumps(config, indent=2))
+        (partial / "config.json").write_text(json.dumps(config, indent=2))
+    try:
+        partial.rename(folder)
+    except OSError:  # another process finished first: its folder is the same checkpoint
+        shutil.rmtree(partial)
     return folder
