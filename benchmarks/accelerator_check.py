@@ -103,13 +103,17 @@ def make_environment(venv: Path, wheels: Path | None) -> tuple[Path, list[str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    where = parser.add_mutually_exclusive_group(required=True)
+    where = parser.add_mutually_exclusive_group()
     where.add_argument("--venv", type=Path, help="make a fresh environment with MLX's CUDA build here")
     where.add_argument("--cpu", action="store_true", help="this environment, MLX's CPU device, small sizes")
     parser.add_argument("--wheels", type=Path, help="install from this folder of wheels only (no package index)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds each step may take")
     parser.add_argument("--smoke", action="store_true", help=smoke.HELP + "; implies --cpu")
     args = parser.parse_args()
+    if args.venv and args.smoke:
+        parser.error("--smoke runs here (it implies --cpu), not in --venv")
+    if not (args.venv or args.cpu or args.smoke):
+        parser.error("one of --venv, --cpu or --smoke is required")
     args.cpu = args.cpu or args.smoke
     record = smoke.Record("accelerator_check")
 
