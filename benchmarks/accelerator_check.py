@@ -20,6 +20,8 @@ Steps, each a row of the table printed at the end (and its own output below it):
 
 ``--cpu`` runs the same steps in this environment on MLX's CPU device with small sizes, so the
 script is known to run end to end where no GPU is lent; its numbers say nothing about a GPU.
+``--smoke`` is ``--cpu`` with one parity file and each benchmark's own ``--smoke`` (whose records
+it checks, ``benchmarks.smoke``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import smoke
 
 ROOT = Path(__file__).resolve().parent.parent
 PARITY = [
@@ -99,12 +103,19 @@ def make_environment(venv: Path, wheels: Path | None) -> tuple[Path, list[str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    where = parser.add_mutually_exclusive_group(required=True)
+    where = parser.add_mutually_exclusive_group()
     where.add_argument("--venv", type=Path, help="make a fresh environment with MLX's CUDA build here")
     where.add_argument("--cpu", action="store_true", help="this environment, MLX's CPU device, small sizes")
     parser.add_argument("--wheels", type=Path, help="install from this folder of wheels only (no package index)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds each step may take")
+    parser.add_argument("--smoke", action="store_true", help=smoke.HELP + "; implies --cpu")
     args = parser.parse_args()
+    if args.venv and args.smoke:
+        parser.error("--smoke runs here (it implies --cpu), not in --venv")
+    if not (args.venv or args.cpu or args.smoke):
+        parser.error("one of --venv, --cpu or --smoke is required")
+    args.cpu = args.cpu or args.smoke
+    record = smoke.Record("accelerator_check")
 
     rows, outputs = [], []
     if args.cpu:
@@ -114,22 +125,40 @@ def main() -> None:
     env = {**os.environ, "GEMMA_ZOO_PLAN": "accelerator"}
     rows.append(("environment", "; ".join(notes), ""))
 
-    code, text, seconds = run([str(python), "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *PARITY],
+    parity = PARITY[:1] if args.smoke else PARITY
+    code, text, seconds = run([str(python), "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *parity],
                               env, args.timeout)  # fmt: skip
     counts = ", ".join(re.findall(r"\d+ (?:passed|failed|errors?|skipped)", text)) or f"exit {code}"
     rows.append(("parity, accelerator plan", counts, f"{seconds:.0f} s"))
     outputs.append(("parity, accelerator plan", text[-3000:]))
+    if code == 0:
+        record.row("parity, accelerator plan", seconds=seconds)
+    else:
+        record.missing("parity, accelerator plan", counts)
 
     for name, module, full, small in SPEED:
-        code, text, seconds = run([str(python), "-m", module, *(small if args.cpu else full)], env, args.timeout)
-        rows.append((name, outcome(code, text), f"{seconds:.0f} s"))
+        # diffusion_gemma's smoke mode and test are its own; the others run their --smoke here
+        arguments = (small if module == "benchmarks.diffusion_gemma" else ["--smoke"]) if args.smoke else small if args.cpu else full
+        code, text, seconds = run([str(python), "-m", module, *arguments], env, args.timeout)
+        result = outcome(code, text)
+        rows.append((name, result, f"{seconds:.0f} s"))
         outputs.append((name, text[-6000:]))
+        if smoke.MARK in text:
+            found = smoke.problems(smoke.parse(text))
+        else:
+            found = [] if result == "ok" or result.startswith("peer missing") else [result]
+        if found:
+            record.missing(name, "; ".join(found))
+        else:
+            record.row(name, seconds=seconds)
 
     print("| step | result | time |\n|---|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     for name, text in outputs:
         print(f"\n## {name}\n\n{text.strip()}")
+    if args.smoke:
+        record.finish()
     if any(r[1] != "ok" and not r[1].startswith("peer missing") for r in rows[2:]) or "failed" in rows[1][1]:
         raise SystemExit(1)
 

@@ -2,6 +2,7 @@
 ``batch_generate`` on the same converted folder, float32, the same fast BLAS, in one run.
 
     python -m benchmarks.batching [--batches 1,4,8,16 --prompt 128 --gen 32 --rounds 2]
+    python -m benchmarks.batching --smoke   # a tiny random Gemma 3, batches 1 and 3, one round (benchmarks.smoke)
 
 Each (stack, batch size) runs in its own process: ``B`` prompts of about ``--prompt`` tokens (BOS +
 random ids, lengths staggered by 8 so the rows sit at different positions), ``--gen`` greedy tokens
@@ -26,6 +27,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import smoke
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -105,7 +108,7 @@ def run_system_prompt(folder: str, length: int, gen: int) -> dict:
             generator.submit(BatchRequest(ids, max_tokens=gen, stop_ids=frozenset()))
             t = time.perf_counter()
             first = generator.step()
-            result[f"{mode}: {name}"] = {"ttft_s": round(time.perf_counter() - t, 3), "reused": first[0].reused_tokens}
+            result[f"{mode}: {name}"] = {"ttft_s": round(time.perf_counter() - t, 5), "reused": first[0].reused_tokens}
             while generator.busy:
                 generator.step()
         result[f"{mode}: store MB"] = round(store.stats.bytes / 1e6, 1)
@@ -145,6 +148,7 @@ def main() -> None:
     parser.add_argument("--system", action="store_true", help="also time the first token with a stored system prompt")
     parser.add_argument("--system-length", type=int, default=2000)
     parser.add_argument("--out", help="also write the table (markdown) to this file")
+    parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)
@@ -156,6 +160,10 @@ def main() -> None:
     from benchmarks.speed import bandwidth_gbs, gemma3_folder, weights_per_token
 
     folder = gemma3_folder()
+    if args.smoke:
+        folder = smoke.tiny_checkpoint("gemma3")
+        args.batches, args.prompt, args.gen, args.rounds, args.system, args.system_length = "1,3", 24, 4, 1, True, 64
+    record = smoke.Record("batching")
     parameters, _ = weights_per_token(folder)
     weight_bytes = parameters * 4  # float32
     bandwidth = bandwidth_gbs()
@@ -175,6 +183,12 @@ def main() -> None:
         "| batch | ours decode tok/s (aggregate) | mlx-lm decode tok/s | ours / mlx-lm | ours peak GB per request | mlx-lm peak GB per request |",
         "|---|---|---|---|---|---|",
     ]
+    for (stack, batch), runs in results.items():
+        for r in runs:
+            if "error" in r:
+                record.missing(f"{stack} B={batch}", r["error"], ours=stack == "ours", package="mlx_lm")
+            else:
+                record.row(f"{stack} B={batch}", ours=stack == "ours", decode=r["decode_tps"])
     for batch in batches:
         ours = [r for r in results[("ours", batch)] if "error" not in r]
         peer = [r for r in results[("mlx-lm", batch)] if "error" not in r]
@@ -187,11 +201,17 @@ def main() -> None:
         )
     if args.system:
         system = spawn("system", folder, args)
+        if "error" in system:
+            record.missing("ours, stored system prompt", system["error"])
+        else:
+            record.row("ours, stored system prompt", **{k: v["ttft_s"] for k, v in system.items() if isinstance(v, dict)})
         lines += ["", f"First token with a {args.system_length}-token system prompt (ours, prefix store): {json.dumps(system)}"]
     text = "\n".join(lines)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    if args.smoke:
+        record.finish()
 
 
 if __name__ == "__main__":

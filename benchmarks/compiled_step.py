@@ -5,6 +5,7 @@ decode kernels, ``zoo_cpu.decode``).
     python -m benchmarks.compiled_step                                  # the 270M: float32, 8-bit, 4-bit
     python -m benchmarks.compiled_step --models e2b,e2b-8bit --rounds 5  # the E2B-shaped Gemma 4 of benchmarks.speed
     python -m benchmarks.compiled_step --switch GEMMA_ZOO_DECODE_KERNELS
+    python -m benchmarks.compiled_step --smoke   # a tiny random Gemma 3 and its 8-bit folder (benchmarks.smoke)
 
 Each model is loaded once; every round generates ``--gen`` greedy tokens after a ``--prompt``-token
 prompt (``benchmarks.speed.prompt_ids``) with the switch off, then on (the order alternates
@@ -25,6 +26,7 @@ from pathlib import Path
 import zoo_cpu  # noqa: F401  (before mlx)
 
 import models
+from benchmarks import smoke
 from benchmarks.speed import cell, gemma4_folder, prompt_ids, quantized_folder, run_ours
 from zoo_cpu import switches
 
@@ -57,7 +59,12 @@ def main() -> None:
     parser.add_argument("--gen", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--switch", choices=SWITCHES, default=SWITCHES[0])
+    parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
     args = parser.parse_args()
+    record = smoke.Record("compiled_step")
+    if args.smoke:
+        tiny = smoke.tiny_checkpoint("gemma3")
+        args.models, args.prompt, args.gen, args.rounds = f"{tiny},{quantized_folder(tiny, 8)}", 32, 4, 1
     prompt = prompt_ids(args.prompt)
     print(f"Prompt {args.prompt}, {args.gen} greedy tokens, {args.rounds} rounds per model, {args.switch} off and on in "
           f"turn; load average {os.getloadavg()[0]:.1f} at the start on {os.cpu_count()} CPUs.")  # fmt: skip
@@ -80,7 +87,13 @@ def main() -> None:
             ratios.append(speeds[True][-1] / speeds[False][-1])
         print(f"| {name} | {cell(speeds[False])} | {cell(speeds[True])} | {cell(ratios, 2)}x | {differ} of {args.gen} |",
               flush=True)  # fmt: skip
+        for on in (False, True):
+            record.row(f"{name} {args.switch}={int(on)}", ids[on], decode=min(speeds[on]))
+        if args.switch == "GEMMA_ZOO_COMPILE_STEP":  # the same arithmetic, compiled or not
+            record.agree(*(f"{name} {args.switch}={int(on)}" for on in (False, True)))
     print(f"Load average {os.getloadavg()[0]:.1f} at the end.")
+    if args.smoke:
+        record.finish()
 
 
 if __name__ == "__main__":

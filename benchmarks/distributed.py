@@ -22,6 +22,7 @@ step" column (on loopback: the latency of the TCP ring and of the eval calls, no
 memory ratio is each rank's peak over the single process's (the issue's target: <= 0.55 at 2 ranks).
 
     python -m benchmarks.distributed [--prompt 256 --gen 32 --runs 3]
+    python -m benchmarks.distributed --smoke   # a tiny random Gemma 4 for the E2B shape, one run (benchmarks.smoke)
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from benchmarks import smoke
 from benchmarks.speed import cell
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,6 +59,8 @@ def checkpoint(which: str) -> Path:
 
     if which == "e2b":
         return build_checkpoint()
+    if which == "tiny":
+        return smoke.tiny_checkpoint("gemma4")
     if not (MOE_CHECKPOINT / "model.safetensors").exists():
         import torch
         from transformers import Gemma4ForCausalLM, Gemma4TextConfig
@@ -150,7 +154,7 @@ def child(which: str, mode: str, experts: str, prompt_length: int, gen: int, run
         prefill.append(prompt_length / first_s)
         decode.append((len(tokens) - 1) / rest_s)
     report = dict(
-        mode=mode if mode != "tensor" or which == "e2b" else f"tensor, experts by {experts}",
+        mode=mode if mode != "tensor" or which in ("e2b", "tiny") else f"tensor, experts by {experts}",
         rank=0 if group is None else group.rank(), load_s=load_seconds, prefill_tps=prefill, decode_tps=decode,
         peak_gb=mx.get_peak_memory() / 1e9, resident_gb=resident,
         rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, tokens=tokens,
@@ -194,8 +198,12 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--gen", type=int, default=32)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--smoke", action="store_true", help=smoke.HELP)
     p.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "EXPERTS"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.smoke:
+        args.prompt, args.gen, args.runs = 32, 4, 1
+    record = smoke.Record("distributed")
     sizes = ["--prompt", str(args.prompt), "--gen", str(args.gen), "--runs", str(args.runs)]
     if args.child:
         child(*args.child, args.prompt, args.gen, args.runs)
@@ -204,7 +212,7 @@ def main(argv=None) -> int:
     launch = [shutil.which("mlx.launch"), "-n", "2", "--backend", "ring", "--python", *this]
     ranks_env = dict(os.environ, MKL_NUM_THREADS="1")
     runs = {
-        "e2b": [("single", "auto"), ("tensor", "auto"), ("pipeline", "auto")],
+        "tiny" if args.smoke else "e2b": [("single", "auto"), ("tensor", "auto"), ("pipeline", "auto")],
         "moe": [("single", "auto"), ("tensor", "columns"), ("tensor", "rows")],
     }
     for which, modes in runs.items():
@@ -213,9 +221,16 @@ def main(argv=None) -> int:
         for mode, experts in modes:
             command = [*this, which, mode, experts] if mode == "single" else [*launch, which, mode, experts]
             reports[f"{mode} {experts}"] = run(command, dict(os.environ) if mode == "single" else ranks_env)
-        shape = "E2B-shaped random Gemma 4 (benchmarks.gemma4_text_vs_mlx_lm)" if which == "e2b" else "MoE-shaped (MOE_SHAPED)"
+            for r in reports[f"{mode} {experts}"]:
+                record.row(f"{which} {mode} {experts} rank {r['rank']}", r["tokens"], decode=min(r["decode_tps"]))
+        record.agree(*(f"{which} {mode} {experts} rank {r['rank']}" for mode, experts in modes
+                       for r in reports[f"{mode} {experts}"]))  # fmt: skip
+        shape = {"e2b": "E2B-shaped random Gemma 4 (benchmarks.gemma4_text_vs_mlx_lm)", "moe": "MoE-shaped (MOE_SHAPED)",
+                 "tiny": "tiny random Gemma 4 (benchmarks.smoke)"}[which]  # fmt: skip
         table(f"{shape}, prompt {args.prompt}, {args.gen} greedy tokens, {args.runs} runs; 2 ranks on loopback "
               "(mlx.launch --backend ring), one machine", reports)  # fmt: skip
+    if args.smoke:
+        record.finish()
     return 0
 
 

@@ -20,6 +20,9 @@ Preprocessing and the text prefill are not in these numbers (our prefill against
 prompt is in ``docs/multimodal.md``); the outputs of the two stacks are compared (max difference).
 
     python -m benchmarks.gemma4_media_vs_mlx_vlm --mlx-vlm-path /tmp/mlxvlm [--runs 3]
+    python -m benchmarks.gemma4_media_vs_mlx_vlm --smoke   # a 2 s clip and 2 frames, one run (benchmarks.smoke)
+
+Without mlx-vlm (neither installed nor ``--mlx-vlm-path``) only our rows are measured.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import smoke
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = ROOT / ".assets" / "bench" / "gemma4-media-small"
@@ -61,26 +66,38 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--mlx-vlm-path", help="a folder holding the mlx_vlm package")
+    parser.add_argument("--seconds", type=float, default=30.0, help="audio clip length")
+    parser.add_argument("--frames", type=int, default=32, help="video frames")
+    parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
     args = parser.parse_args()
+    if args.smoke:
+        args.runs, args.seconds, args.frames = 1, 2.0, 2
     path = build_checkpoint()
     if args.mlx_vlm_path:
         sys.path.append(args.mlx_vlm_path)
+    record = smoke.Record("gemma4_media_vs_mlx_vlm")
+    peer = bool(args.mlx_vlm_path) or smoke.installed("mlx_vlm")
+    if not peer:
+        record.missing("mlx-vlm", "mlx-vlm is not installed and no --mlx-vlm-path", ours=False, package="mlx_vlm")
+        print("mlx-vlm is not installed (and no --mlx-vlm-path): our rows only", flush=True)
 
     import numpy as np
 
     import models  # before mlx.core (loads the BLAS)
     import mlx.core as mx
-    from mlx_vlm.utils import load_model
 
     ours = models.load(str(path), tokenizer=False)
     mx.eval(ours.graph.parameters())
-    theirs = load_model(path)
+    if peer:
+        from mlx_vlm.utils import load_model
+
+        theirs = load_model(path)
 
     rng = np.random.default_rng(0)
-    t = np.arange(30 * 16_000) / 16_000
+    t = np.arange(int(args.seconds * 16_000)) / 16_000
     clip = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
     (audio,) = ours.process_audio([(clip, 16_000)])
-    frames = rng.integers(0, 256, (32, 360, 480, 3), dtype=np.uint8)
+    frames = rng.integers(0, 256, (args.frames, 360, 480, 3), dtype=np.uint8)
     (video,) = ours.process_videos([frames], max_soft_tokens=70)
     feats = mx.array(audio.features)[None]
     mask = mx.zeros(feats.shape[:2], dtype=mx.bool_)
@@ -103,15 +120,21 @@ def main() -> None:
         mx.eval(out)
         return out
 
-    print(f"checkpoint {path.name}; audio: 30 s, {audio.features.shape[0]} mel frames, {audio.num_soft_tokens} soft tokens; "
+    print(f"checkpoint {path.name}; audio: {args.seconds:g} s, {audio.features.shape[0]} mel frames, {audio.num_soft_tokens} soft tokens; "
           f"video: {len(video.patches)} frames {video.height}x{video.width}, {video.patches[0].shape[0]} patches and "
           f"{video.num_soft_tokens} soft tokens each", flush=True)
-    for name, mine, peer in (("audio 30 s", ours_audio, theirs_audio), ("video 32 frames", ours_video, theirs_video)):
-        a, b = mine(), peer()  # warm-up, and the outputs compared
+    for name, mine, other in ((f"audio {args.seconds:g} s", ours_audio, theirs_audio),
+                              (f"video {args.frames} frames", ours_video, theirs_video)):  # fmt: skip
+        if not peer:
+            times = smoke.alone(mine, args.runs)
+            print(f"| {name} | {statistics.median(times):.2f} s [{min(times):.2f}-{max(times):.2f}] | - | - | |", flush=True)
+            record.row(f"ours {name}", seconds=statistics.median(times))
+            continue
+        a, b = mine(), other()  # warm-up, and the outputs compared
         diff = float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()) if a.shape == b.shape else float("nan")
         times: dict[str, list[float]] = {"ours": [], "mlx-vlm": []}
         for i in range(args.runs):
-            order = (("ours", mine), ("mlx-vlm", peer)) if i % 2 == 0 else (("mlx-vlm", peer), ("ours", mine))
+            order = (("ours", mine), ("mlx-vlm", other)) if i % 2 == 0 else (("mlx-vlm", other), ("ours", mine))
             for who, fn in order:
                 start = time.perf_counter()
                 fn()
@@ -120,6 +143,13 @@ def main() -> None:
         print(f"| {name} | {statistics.median(times['ours']):.2f} s [{min(times['ours']):.2f}-{max(times['ours']):.2f}] | "
               f"{statistics.median(times['mlx-vlm']):.2f} s [{min(times['mlx-vlm']):.2f}-{max(times['mlx-vlm']):.2f}] | "
               f"{ratio:.2f}x | shapes {list(a.shape)} / {list(b.shape)}, max diff {diff:.1e} |", flush=True)
+        record.row(f"ours {name}", seconds=statistics.median(times["ours"]))
+        if a.shape == b.shape and diff <= 1e-3 * max(1.0, float(mx.abs(a).max())):
+            record.row(f"mlx-vlm {name}", ours=False, seconds=statistics.median(times["mlx-vlm"]))
+        else:
+            record.missing(f"mlx-vlm {name}", f"outputs differ from ours: shapes {a.shape} / {b.shape}, max diff {diff:.1e}", ours=False)
+    if args.smoke:
+        record.finish()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ mlx-lm's prefill as full forwards that evaluated the head for every prompt posit
 ``generate_step`` never does: it reported 5.29x where this version measures about 1.5x).
 
     python -m benchmarks.gemma4_text_vs_mlx_lm [--prompt 512 --gen 128 --runs 3 --rounds 2]
+    python -m benchmarks.gemma4_text_vs_mlx_lm --smoke   # a tiny random Gemma 4, one round (benchmarks.smoke)
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import smoke
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = ROOT / ".assets" / "bench" / "gemma4-e2b-shaped"
@@ -149,6 +152,7 @@ def main() -> None:
     parser.add_argument("--gen", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3, help="timed runs per process")
     parser.add_argument("--rounds", type=int, default=2, help="processes per stack, the stacks alternating")
+    parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
     parser.add_argument("--child", choices=["ours", "mlx_lm"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -157,17 +161,23 @@ def main() -> None:
         return
     from importlib.metadata import version
 
-    path = build_checkpoint()
+    if args.smoke:
+        args.prompt, args.gen, args.runs, args.rounds = 32, 4, 1, 1
+    path = smoke.tiny_checkpoint("gemma4") if args.smoke else build_checkpoint()
     load_before = os.getloadavg()[0]
     rows = {"ours": [], "mlx_lm": []}
+    record = smoke.Record("gemma4_text_vs_mlx_lm")
     for round_ in range(args.rounds):
         # Alternate the order (ours first, then mlx-lm first, ...): a shared machine's load drifts.
         for which in ("ours", "mlx_lm") if round_ % 2 == 0 else ("mlx_lm", "ours"):
             out = subprocess.run(
                 [sys.executable, "-m", "benchmarks.gemma4_text_vs_mlx_lm", "--child", which, "--path", str(path),
                  "--prompt", str(args.prompt), "--gen", str(args.gen), "--runs", str(args.runs)],
-                cwd=ROOT, capture_output=True, text=True, check=True,
+                cwd=ROOT, capture_output=True, text=True, check=not args.smoke,
             )
+            if out.returncode:
+                record.missing(which, out.stderr.strip()[-300:], ours=which == "ours", package="mlx_lm")
+                record.finish()
             rows[which].append(json.loads(out.stdout.strip().splitlines()[-1]))
     load_after = os.getloadavg()[0]
     merged = {
@@ -199,6 +209,11 @@ def main() -> None:
     same = all(r["ids"] == ours["ids"] for r in rows["ours"] + rows["mlx_lm"])
     print(f"first {len(ours['ids'])} greedy ids {'identical' if same else 'DIFFER'} in every process of both stacks"
           + ("" if same else f": ours {ours['ids']}, mlx-lm {peer['ids']}"))
+    if args.smoke:
+        for which, row in merged.items():
+            record.row(which, row["ids"], ours=which == "ours", prefill=med(row["prefill"]), decode=med(row["decode"]))
+        record.agree("ours", "mlx_lm")
+        record.finish()
 
 
 if __name__ == "__main__":

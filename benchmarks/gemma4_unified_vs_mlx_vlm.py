@@ -32,6 +32,9 @@ precision) and with ``quantize_vision``.
 
     python -m benchmarks.gemma4_unified_vs_mlx_vlm --mlx-vlm-path /tmp/mlxvlm [--runs 3]
     python -m benchmarks.gemma4_unified_vs_mlx_vlm --quality
+    python -m benchmarks.gemma4_unified_vs_mlx_vlm --smoke   # one run, 4 decode steps (benchmarks.smoke)
+
+Without mlx-vlm (neither installed nor ``--mlx-vlm-path``) only our side is timed (``ours_alone``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import smoke
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = ROOT / ".assets" / "bench" / "gemma4-unified-small"
@@ -155,17 +160,65 @@ def quality(path: Path) -> None:
             mx.clear_cache()
 
 
+def ours_alone(path: Path, args) -> None:
+    """Our side of every timing when mlx-vlm is not there (its rows: not installed)."""
+    import models  # before mlx.core (loads the BLAS)
+    import mlx.core as mx
+
+    from models.generation.generate import prefill
+
+    record = smoke.Record("gemma4_unified_vs_mlx_vlm")
+    record.missing("mlx-vlm", "mlx-vlm is not installed and no --mlx-vlm-path", ours=False, package="mlx_vlm")
+    print("mlx-vlm is not installed (and no --mlx-vlm-path): our side only", flush=True)
+    ours = models.load(str(path), tokenizer=False)
+    mx.eval(ours.graph.parameters())
+    images, audio, short = inputs(ours)
+
+    def first_token():
+        prompt = chat_prompt(ours, images[280], short)
+        cache = ours.make_cache()
+        return prompt, cache, prefill(ours.forward, prompt.ids, cache, 2048, prompt.images)
+
+    def greedy():
+        _, cache, logits = first_token()
+        tokens = [int(mx.argmax(logits).item())]
+        start = time.perf_counter()
+        for _ in range(DECODE_STEPS - 1):
+            tokens.append(int(mx.argmax(ours.forward(mx.array([[tokens[-1]]]), cache)[0, -1]).item()))
+        return tokens, (DECODE_STEPS - 1) / (time.perf_counter() - start)
+
+    cases = [(f"image features, budget {b}", lambda im=im: mx.eval(ours.encode_images([im])[0])) for b, im in images.items()]
+    cases += [("audio features, 30 s", lambda: mx.eval(ours.encode_audio([audio])[0])),
+              ("time to first token", lambda: mx.eval(first_token()[2]))]  # fmt: skip
+    print("| what | ours |\n|---|---|")
+    for name, fn in cases:
+        times = smoke.alone(fn, args.runs)
+        print(f"| {name} | {cell(times)} |", flush=True)
+        record.row(f"ours {name}", seconds=statistics.median(times))
+    runs = [greedy() for _ in range(args.runs)]
+    print(f"| decode, {DECODE_STEPS} greedy tokens | {cell([r[1] for r in runs], unit=' tok/s')} |", flush=True)
+    record.row("ours decode", runs[0][0], decode=statistics.median(r[1] for r in runs))
+    if args.smoke:
+        record.finish()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--mlx-vlm-path", help="a folder holding the mlx_vlm package")
     parser.add_argument("--quality", action="store_true", help="KL of our 8- and 4-bit weights to fp32 instead of timings")
+    parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
     args = parser.parse_args()
     path = build_checkpoint()
     if args.quality:
         return quality(path)
     if args.mlx_vlm_path:
         sys.path.append(args.mlx_vlm_path)
+    if args.smoke:
+        global DECODE_STEPS
+        args.runs, DECODE_STEPS = 1, 4
+    if not (args.mlx_vlm_path or smoke.installed("mlx_vlm")):
+        return ours_alone(path, args)
 
     import numpy as np
 
@@ -181,6 +234,7 @@ def main() -> None:
     mx.eval(theirs.parameters())
 
     images, audio, short = inputs(ours)
+    record = smoke.Record("gemma4_unified_vs_mlx_vlm")
 
     def theirs_image(image):
         out = theirs.get_image_features(mx.array(image.patches)[None], mx.array(image.position_ids)[None])
@@ -203,6 +257,8 @@ def main() -> None:
         diff = float(mx.abs(a - b).max())
         times, ratio = alternate(args.runs, mine, peer)
         print(f"| {name} | {cell(times['ours'])} | {cell(times['mlx-vlm'])} | {ratio:.2f}x | max diff {diff:.1e} |", flush=True)
+        for who in times:
+            record.row(f"{who} {name}", ours=who == "ours", seconds=statistics.median(times[who]))
 
     prompt = chat_prompt(ours, images[280], short)
     ids = mx.array([prompt.ids])
@@ -262,6 +318,8 @@ def main() -> None:
     same = sum(a == b for a, b in zip(state["ours tokens"], state["mlx-vlm tokens"]))
     print(f"| decode, {DECODE_STEPS} greedy tokens | {cell(decode_times['ours'], unit=' tok/s')} | "
           f"{cell(decode_times['mlx-vlm'], unit=' tok/s')} | {ratio:.2f}x (speed) | {same}/{DECODE_STEPS} tokens equal |", flush=True)
+    for who in decode_times:  # random weights: the tokens are printed, not required to agree
+        record.row(f"{who} decode", state[who + " tokens"], ours=who == "ours", decode=statistics.median(decode_times[who]))
 
     # The image after cached text: our cache reads keep the overlay; compare both with one whole prefill.
     split = prompt.images[0].start - 1  # before boi
@@ -278,6 +336,8 @@ def main() -> None:
     theirs_split = theirs.language_model(inputs_embeds=embedded[:, split:], cache=cache, mm_token_type_ids=types[:, split:]).logits
     print(f"image after cached text, last logits vs one whole prefill: ours max diff "
           f"{float(mx.abs(ours_split - state['ours'][1]).max()):.1e}, mlx-vlm {float(mx.abs(theirs_split[0, -1] - state['mlx-vlm'][1]).max()):.1e}")
+    if args.smoke:
+        record.finish()
 
 
 if __name__ == "__main__":

@@ -44,6 +44,9 @@ environment or from ``--mlx-vlm-path`` (``pip install --no-deps --target DIR mlx
 packages its import needs, transformers, Pillow, requests and the like, were already installed here).
 
     python -m benchmarks.gemma4_vision_vs_mlx_vlm --mlx-vlm-path /tmp/mlxvlm [--gen 64 --runs 5]
+    python -m benchmarks.gemma4_vision_vs_mlx_vlm --smoke   # 70 image tokens, 4 tokens, one run (benchmarks.smoke)
+
+Without mlx-vlm (neither installed nor ``--mlx-vlm-path``) only our row is measured.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from benchmarks import smoke
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKPOINT = ROOT / ".assets" / "bench" / "gemma4-vision-small"
@@ -286,10 +291,13 @@ def main() -> None:
     # chelsea.png, which `python -m tests.real_media chelsea.png` fetches (pinned wheel, sha256) and prints.
     parser.add_argument("--photo", required=True, metavar="PATH", help="the photo both stacks read (e.g. chelsea.png)")
     parser.add_argument("--mlx-vlm-path", help="a folder holding the mlx_vlm package (added to its child's path only)")
+    parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
     parser.add_argument("--child", choices=["ours", "mlx_vlm"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--text", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.smoke:
+        args.gen, args.runs, args.max_soft_tokens = 4, 1, 70
     if args.child:
         child(args.child, args.path, args.text, args.photo, args.max_soft_tokens)
         return
@@ -298,7 +306,12 @@ def main() -> None:
     path = build_checkpoint()
     photo = str(Path(args.photo).resolve())
     text = chat_prompt(path)
-    children = {which: Child(which, path, text, photo, args.max_soft_tokens, args.mlx_vlm_path) for which in ("ours", "mlx_vlm")}
+    record = smoke.Record("gemma4_vision_vs_mlx_vlm")
+    stacks = ("ours", "mlx_vlm") if args.mlx_vlm_path or smoke.installed("mlx_vlm") else ("ours",)
+    if len(stacks) == 1:
+        record.missing("mlx_vlm", "mlx-vlm is not installed and no --mlx-vlm-path", ours=False, package="mlx_vlm")
+        print("mlx-vlm is not installed (and no --mlx-vlm-path): our row only", flush=True)
+    children = {which: Child(which, path, text, photo, args.max_soft_tokens, args.mlx_vlm_path) for which in stacks}
     loads = [os.getloadavg()[0]]
     try:
         for c in children.values():
@@ -306,12 +319,12 @@ def main() -> None:
         for c in children.values():
             c.ask("run 4")  # warm-up, one at a time
             c.ask("reset")
-        runs: dict[str, list[dict]] = {"ours": [], "mlx_vlm": []}
+        runs: dict[str, list[dict]] = {which: [] for which in stacks}
         for i in range(args.runs):
-            for which in ("ours", "mlx_vlm") if i % 2 == 0 else ("mlx_vlm", "ours"):
+            for which in stacks if i % 2 == 0 else stacks[::-1]:
                 runs[which].append(children[which].ask(f"run {args.gen}"))
                 loads.append(os.getloadavg()[0])
-        check = children["mlx_vlm"].ask("check")["tokens"]
+        check = children["mlx_vlm"].ask("check")["tokens"] if "mlx_vlm" in children else None
         summaries = {which: c.ask("done") for which, c in children.items()}
     finally:
         for c in children.values():
@@ -323,6 +336,11 @@ def main() -> None:
         row.update(summaries[which], tokens=found[0]["tokens"], ids=found[0]["ids"], image_tokens=found[0]["image_tokens"],
                    same_tokens_every_run=all(r["tokens"] == found[0]["tokens"] for r in found))  # fmt: skip
         rows[which] = row
+        record.row(which, row["tokens"], ours=which == "ours", **{key: row[key] for key in METRICS})
+    if "mlx_vlm" not in rows:
+        o = rows["ours"]
+        print(f"ours: {o['image_tokens']} image tokens; " + ", ".join(f"{key} {o[key]:.3f}" for key in METRICS))
+        return record.finish() if args.smoke else None
     o, p = rows["ours"], rows["mlx_vlm"]
     ratio = {key: statistics.median(a[key] / b[key] for a, b in zip(runs["ours"], runs["mlx_vlm"])) for key in METRICS}
     print(f"Gemma 4 random multimodal checkpoint (text: hidden {TEXT['hidden_size']}, {TEXT['num_hidden_layers']} layers, "
@@ -358,6 +376,12 @@ def main() -> None:
         print(f"{name}: load {row['load_s']:.1f} s (side by side), weights resident {row['weights_gb']:.2f} GB; "
               f"runs: {spread}; same greedy tokens in every run: {row['same_tokens_every_run']}")
     print(f"total {time.perf_counter() - began:.0f} s")
+    if args.smoke:
+        if not same_ids:
+            record.missing("mlx_vlm", "did not read the same prompt ids as ours", ours=False)
+        record.stacks["mlx_vlm (transformers' overlay rule)"] = dict(record.stacks["mlx_vlm"], ids=check[: len(o["tokens"])])
+        record.agree("ours", "mlx_vlm (transformers' overlay rule)")
+        record.finish()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python -m benchmarks.interleaved                                  # 270M: float32, 8-bit, 4-bit, llama.cpp
     python -m benchmarks.interleaved --models gemma-3-270m-8bit,llama.cpp --rounds 9
+    python -m benchmarks.interleaved --smoke   # a tiny random Gemma 3 (llama.cpp: the real GGUF), one round
 
 ``benchmarks.speed`` runs each stack in its own process, minutes apart; on a shared machine whose
 load swings a slow spell then hits one stack and not the next. Here every stack is loaded once and the timed runs go
@@ -29,16 +30,17 @@ import os
 import time
 from pathlib import Path
 
+from benchmarks import smoke
 from benchmarks.peers import Peer
-from benchmarks.speed import PEERS, cell, gemma3_folder, gemma3_gguf, prompt_ids, run_ours, setup
+from benchmarks.speed import PEERS, cell, gemma3_folder, gemma3_gguf, prompt_ids, quantized_folder, run_ours, setup
 
 GAP = 0.5  # seconds of idle before every timed run
 
 
-def load(name: str) -> tuple[str, callable]:
-    """``(notes, run(prompt, gen))`` for a stack name."""
+def load(name: str, folder: Path) -> tuple[str, callable]:
+    """``(notes, run(prompt, gen))`` for a stack name; torch loads the float32 ``folder``."""
     if name in PEERS:
-        peer = Peer(name, gemma3_gguf() if name == "llama.cpp" else gemma3_folder())
+        peer = Peer(name, gemma3_gguf() if name == "llama.cpp" else folder)
         return peer.notes, peer.generate
     from models.zoo import zoo_folder
 
@@ -52,9 +54,19 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--gen", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
     args = parser.parse_args()
+    folder = gemma3_folder()
+    record = smoke.Record("interleaved")
+    if args.smoke:
+        folder = smoke.tiny_checkpoint("gemma3")
+        args.models, args.prompt, args.gen, args.rounds = f"{folder},{quantized_folder(folder, 8)},torch,llama.cpp", 32, 4, 1
     names = [m.strip() for m in args.models.split(",") if m.strip()]
-    stacks = {name: load(name) for name in names}
+    if "llama.cpp" in names and not smoke.installed("llama_cpp"):
+        names.remove("llama.cpp")
+        record.missing("llama.cpp", "llama-cpp-python is not installed (optional)", ours=False, package="llama_cpp")
+        print("llama.cpp: llama-cpp-python is not installed (optional); its row is left out", flush=True)
+    stacks = {name: load(name, folder) for name in names}
     prompt = prompt_ids(args.prompt)
     for _, run in stacks.values():
         run(prompt[:64], 8)  # warm-up
@@ -85,6 +97,10 @@ def main() -> None:
             f"| {name} | {cell(p, 1)} | {cell(d, 2)} | {cell(pr, 2)}x | {cell(dr, 2)}x | "
             f"{stacks[name][0]}; first ids {ids[name][:4]} |"
         )
+        record.row(name, ids[name], ours=name not in PEERS, prefill=min(p), decode=min(d))
+    if args.smoke:
+        record.agree(str(folder), "torch")  # float32, the same weights
+        record.finish()
 
 
 if __name__ == "__main__":

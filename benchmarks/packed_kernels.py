@@ -2,6 +2,7 @@
 
     python -m benchmarks.packed_kernels                      # the 270M's shapes, 1 to 512 rows
     python -m benchmarks.packed_kernels --rows 1 --shapes 262144x640 --threads 1,2
+    python -m benchmarks.packed_kernels --smoke             # one small shape, one repeat (benchmarks.smoke)
 
 For each weight shape ``N x K`` (output x input; the 270M's head, MLP and attention projections),
 bits (8, 4) and rows of ``x``: milliseconds per product (median of ``--repeats``, each timing
@@ -27,6 +28,7 @@ import zoo_cpu  # noqa: F401  (before mlx)
 
 import mlx.core as mx
 
+from benchmarks import smoke
 from zoo_cpu import extension, packed as zoo_packed
 
 SHAPES = "262144x640,2048x640,640x2048,1024x640,256x640,640x1024"
@@ -51,7 +53,11 @@ def main() -> None:
     parser.add_argument("--threads", default="", help="comma-separated kernel thread counts (default: all CPUs)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--mlx-qmm-rows", type=int, default=4, help="time MLX's quantized matmul up to this many rows (slow)")
+    parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
     args = parser.parse_args()
+    if args.smoke:
+        args.shapes, args.rows, args.repeats, args.mlx_qmm_rows = "256x128", "1,8", 1, 8
+    record = smoke.Record("packed_kernels")
     status = extension.status()
     if not status.available:
         raise SystemExit(extension.describe())
@@ -80,15 +86,27 @@ def main() -> None:
                 qmm = "-"
                 if rows <= args.mlx_qmm_rows:
                     qmm = f"{1e3 * timed(lambda: mx.quantized_matmul(x, w, s, b, group_size=64, bits=bits), 1, 3):.3f}"
+                label = f"{N}x{K} {bits}-bit {rows} rows"
+                record.row(f"{label} dequant+BLAS", dense=dense)
+                record.row(f"{label} fp32 BLAS", fp32=fp32)
+                # the four products of one weight must agree (to float32 rounding over K terms)
+                reference = x @ zoo_packed.packed_dequantize(w, s, b, 64, bits).T
                 for threads in thread_counts:
                     module.set_threads(threads)
                     kernel = timed(lambda: zoo_packed.packed_matmul(x, w, s, b, 64, bits), batch, args.repeats)
+                    error = float(mx.abs(zoo_packed.packed_matmul(x, w, s, b, 64, bits) - reference).max())
+                    if error > 1e-4 * K:
+                        record.missing(f"{label} kernel, {threads} threads", f"differs from dequant+BLAS by {error:.2e}")
+                    else:
+                        record.row(f"{label} kernel, {threads} threads", kernel=kernel)
                     print(
                         f"| {N} x {K} | {bits} | {rows} | {threads} | {1e3 * kernel:.3f} | {nbytes / kernel / 1e9:.1f} | "
                         f"{1e3 * dense:.3f} | {1e3 * fp32:.3f} | {qmm} |",
                         flush=True,
                     )
                 module.set_threads(all_threads)
+    if args.smoke:
+        record.finish()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ transformers + torch float32, runs in turn, ratios per round.
     python -m benchmarks.prefill                       # the real Gemma 3 270M and its zoo 8/4-bit folders
     python -m benchmarks.prefill --gemma4              # the E2B-shaped Gemma 4 (benchmarks.speed's folders)
     python -m benchmarks.prefill --models gemma-3-270m --torch gemma-3-270m --prompt 2048 --rounds 9
+    python -m benchmarks.prefill --smoke     # a tiny random Gemma 3 and its 8-bit folder, one round
 
 The workload is a prompt of ``--prompt`` random ids (``benchmarks.speed.prompt_ids``) fed to a
 fresh cache as a user's generation does (``models.generation.generate.prefill``: chunks of 512,
@@ -27,8 +28,9 @@ import os
 import time
 from pathlib import Path
 
+from benchmarks import smoke
 from benchmarks.peers import Peer
-from benchmarks.speed import cell, prompt_ids
+from benchmarks.speed import cell, prompt_ids, quantized_folder
 
 GAP = 0.5  # seconds of idle before every timed run
 GEMMA3 = ("gemma-3-270m", "gemma-3-270m-8bit", "gemma-3-270m-4bit")
@@ -83,7 +85,11 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--torch-threads", default="2,1", help="a torch worker per thread count (the first: the ratios)")
+    parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
     args = parser.parse_args()
+    if args.smoke:
+        tiny = smoke.tiny_checkpoint("gemma3")
+        args.models, args.prompt, args.rounds, args.torch_threads = f"{tiny},{quantized_folder(tiny, 8)}", 32, 1, "2"
     if args.gemma4:
         names, torch_folder = gemma4_folders()
     else:
@@ -115,13 +121,17 @@ def main() -> None:
         f"Prefill of a {args.prompt}-token prompt, {args.rounds} rounds, stacks in turn (torch in its own process); "
         f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end on {os.cpu_count()} CPUs."
     )
+    record = smoke.Record("prefill")
     print(f"| stack | prefill tok/s | vs torch ({torch_stack.label.split(', ')[-1]}) | vs kernels off |")
     print("|---|---|---|---|")
     for stack in stacks:
         rates = [args.prompt / t for t in times[stack.label]]
         ratios = [cell([r / t for t, r in zip(times[stack.label], times[s.label])], 2) for s in (torch_stack, stacks[1])]
         print(f"| {stack.label} | {cell(rates, 1)} | {ratios[0]}x | {ratios[1]}x |")
+        record.row(stack.label, ours=not isinstance(stack, Torch), prefill=min(rates))
     print(f"\ntorch: {torch_stack.notes}; ours: {'; '.join(first.model.device_notes)}")
+    if args.smoke:
+        record.finish()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python -m benchmarks.server                       # the real Gemma 3 270M (float32 folder)
     python -m benchmarks.server --clients 1 4 --requests 2 --gen 32
+    python -m benchmarks.server --smoke   # 1 and 2 clients, one request each, 4 tokens (benchmarks.smoke)
 
 Both servers run as subprocesses on the same converted folder (``models.assets.gemma3_270m``) with
 the same BLAS (``mlx_lm.server`` is started through ``MLX_LM_WITH_OUR_BLAS``, which imports
@@ -29,6 +30,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from benchmarks import smoke
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = ("lighthouse keeper storm harbour lantern rope gull tide island ship captain night wave rock beacon "
@@ -172,7 +175,11 @@ def main() -> None:
     p.add_argument("--words", type=int, default=60, help="words per prompt (about 1.3 tokens each)")
     p.add_argument("--batch", type=int, default=16, help="rows decoded together by either server")
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--smoke", action="store_true", help=smoke.HELP)
     args = p.parse_args()
+    if args.smoke:
+        args.clients, args.requests, args.repeats, args.gen, args.words, args.batch = [1, 2], 1, 1, 4, 12, 2
+    record = smoke.Record("server")
 
     from models.assets.gemma3_270m import gemma3_270m_folder
 
@@ -194,8 +201,16 @@ def main() -> None:
             errors = [e for r in runs for e in r["errors"]]
             if errors:
                 print(f"|  | errors | {errors[:3]} |")
+                record.missing(f"{name} {clients} clients", f"errors: {errors[:3]}", ours=name == "ours", package="mlx_lm")
+            elif all(r["requests"] == clients * args.requests and r["tokens"] for r in runs):
+                record.row(f"{name} {clients} clients", ours=name == "ours", tok_s=summary(runs, "tok_s")[0])
+            else:
+                record.missing(f"{name} {clients} clients", f"answered {[r['requests'] for r in runs]} requests, "
+                               f"{[r['tokens'] for r in runs]} tokens", ours=name == "ours", package="mlx_lm")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+    if args.smoke:
+        record.finish()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python -m benchmarks.speculative                 # about 10 minutes on a 2-core VM
     python -m benchmarks.speculative --gen 64 --ks 1 2 4 8
+    python -m benchmarks.speculative --smoke        # a tiny random Gemma 3 target, k = 2, one run (benchmarks.smoke)
 
 Workload: the real Gemma 3 270M (``models.load("gemma-3-270m")``), a ``--prompt``-token prompt
 (BOS + random ids, ``numpy.random.default_rng(0)``), ``--gen`` greedy tokens, EOS ignored. Every
@@ -33,6 +34,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from benchmarks import smoke
 from cache import trim_cache
 from models.generation.generate import GenerationStats, generate_tokens
 from models.generation.speculative import ModelDrafter, speculative_tokens
@@ -144,9 +146,13 @@ def main(argv=None) -> int:
     p.add_argument("--ks", type=int, nargs="+", default=list(range(1, 9)))
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 0.7, 0.9])
     p.add_argument("--skip-assistant", action="store_true")
+    p.add_argument("--smoke", action="store_true", help=smoke.HELP)
     args = p.parse_args(argv)
+    record = smoke.Record("speculative")
+    if args.smoke:
+        args.prompt, args.gen, args.runs, args.repeats, args.ks, args.rates = 24, 8, 1, 1, [2], [0.7]
 
-    model = models.load("gemma-3-270m")
+    model = models.load(str(smoke.tiny_checkpoint("gemma3")) if args.smoke else "gemma-3-270m", tokenizer=not args.smoke)
     model.generation_config = {}
     rng = np.random.default_rng(0)
     prompt = [2] + rng.integers(1000, 200000, args.prompt - 1).tolist()
@@ -154,6 +160,7 @@ def main(argv=None) -> int:
     runs = [plain_run(model, prompt, args.gen) for _ in range(args.runs)]
     answer = runs[0][0]
     plain_tps = statistics.median(s.generation_tps for _, s in runs)
+    record.row("plain", answer, decode=plain_tps)
     print(f"plain decode: {plain_tps:.2f} tok/s (median of {args.runs}: "
           f"{', '.join(f'{s.generation_tps:.2f}' for _, s in runs)})", flush=True)  # fmt: skip
 
@@ -170,6 +177,7 @@ def main(argv=None) -> int:
         tiny = tiny_gemma3_drafter(model)
     except Exception as err:  # noqa: BLE001  (reported, the rest still runs)
         print(f"(tiny random drafter skipped: {err})")
+        record.missing("tiny random", f"{type(err).__name__}: {err}")
     drafters = [("self", lambda: ModelDrafter(model, model))]
     drafters += [(f"oracle {r:.0%}", (lambda r=r: OracleDrafter(answer, len(prompt), r, model.vocab_size))) for r in args.rates]
     if tiny is not None:
@@ -177,6 +185,10 @@ def main(argv=None) -> int:
     for name, make in drafters:
         for k in args.ks:
             tokens, stats = spec_run(model, make(), prompt, args.gen, k)
+            record.row(f"{name} k={k}", tokens, decode=stats.generation_tps)
+            record.agree("plain", f"{name} k={k}")
+            if args.smoke:  # the record says what differs
+                continue
             assert tokens == answer, f"{name} k={k}: output differs from plain greedy"
             c = stats.speculation
             print(f"| {name} | {k} | {c.acceptance_rate:.0%} | {c.tokens_per_step:.2f} | {stats.generation_tps:.2f} | "
@@ -188,6 +200,7 @@ def main(argv=None) -> int:
         base = [plain_run(target, prompt, args.gen) for _ in range(args.runs)]
         want = base[0][0]
         base_tps = statistics.median(s.generation_tps for _, s in base)
+        record.row("gemma4 plain", want, decode=base_tps)
         print(f"\nrandom Gemma 4 target (270M-shaped): plain {base_tps:.2f} tok/s")
         print("| drafter | k | acceptance | tok/s | vs plain |")
         print("|---|---|---|---|---|")
@@ -195,7 +208,9 @@ def main(argv=None) -> int:
 
         for k in args.ks:
             tokens, stats = spec_run(target, AssistantDrafter(assistant, target), prompt, args.gen, k)
-            assert tokens == want
+            record.row(f"random assistant k={k}", tokens, decode=stats.generation_tps)
+            record.agree("gemma4 plain", f"random assistant k={k}")
+            assert args.smoke or tokens == want
             c = stats.speculation
             print(f"| random assistant | {k} | {c.acceptance_rate:.0%} | {stats.generation_tps:.2f} | "
                   f"{stats.generation_tps / base_tps:.2f} |", flush=True)  # fmt: skip
@@ -214,6 +229,8 @@ def main(argv=None) -> int:
             trim_cache(cache, 1)
         print(f"assistant draft step {1e3 * statistics.median(draft_times):.1f} ms, "
               f"target decode step {1e3 * statistics.median(decode_times):.1f} ms")  # fmt: skip
+    if args.smoke:
+        record.finish()
     return 0
 
 

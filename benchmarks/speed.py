@@ -3,10 +3,14 @@
     python -m benchmarks.speed                       # Gemma 3 270M (real) + E2B-shaped random Gemma 4
     python -m benchmarks.speed --models gemma3 --skip llama.cpp --runs 3 --gen 128
     python -m benchmarks.speed --ablations           # what each of our speed-ups buys (270M)
+    python -m benchmarks.speed --models gemma3 --prompt-tokens 512,8192,32768 --skip torch,"mlx-lm stock"
+    python -m benchmarks.speed --smoke               # tiny random checkpoints, every stack once (benchmarks.smoke)
 
 Workload: a ``--prompt``-token prompt (BOS + random ids in [1000, 200000),
 ``numpy.random.default_rng(0)``, the same for every stack), then ``--gen`` greedy tokens with EOS
-ignored; one short warm-up (64 + 8) and ``--runs`` timed runs per process.
+ignored; one short warm-up (64 + 8) and ``--runs`` timed runs per process. ``--prompt-tokens``
+runs the whole table at each of several prompt lengths (long contexts: the decode ceiling then
+counts the keys and values every step reads).
 prefill tok/s = prompt / time to first token; decode tok/s = (n - 1) / (last token - first token).
 Peak memory is the process's peak RSS (``getrusage``: Python, libraries, weights, caches). Each
 cell is the median of the runs with the [min-max] range: a shared machine is noisy.
@@ -48,6 +52,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from benchmarks import smoke
 
 ROOT = Path(__file__).resolve().parent.parent
 # The peers' environment: as this process was started (before any zoo import set MKL's defaults),
@@ -170,17 +176,24 @@ def child(stack: str, folder: str, n_prompt: int, gen: int, runs: int, options: 
     results = [run(state, prompt, gen) for _ in range(runs)]
     if stack in PEERS:
         check_clean(stack)
-    import resource
-
     return {
         "prefill": [n_prompt / r[0] for r in results],
         "decode": [(len(r[2]) - 1) / r[1] for r in results],
-        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+        "peak_rss_gb": peak_rss_gb(),
         "ids": results[-1][2][:8],
         "item_bytes": state.get("item_bytes", 4),
         "weight_bytes": state.get("weight_bytes"),
         "notes": state.get("notes", ""),
     }
+
+
+def peak_rss_gb() -> float:
+    """This process's peak resident set (``VmHWM``). Not ``getrusage``'s ``ru_maxrss``: Linux keeps
+    that across ``exec``, so a child would report the parent's peak (the bandwidth probe's array)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024 / 1e9
+    raise RuntimeError("/proc/self/status has no VmHWM line")
 
 
 def check_clean(stack: str) -> None:
@@ -259,7 +272,7 @@ def setup(stack: str, folder: Path, options: dict) -> dict:
 
         llama_module.llama_cpp.llama_model_default_params = no_extra_buffers
         threads = options.get("threads", 2)
-        llm = llama_cpp.Llama(str(gguf), n_ctx=1024, n_batch=512, n_threads=threads, verbose=False)
+        llm = llama_cpp.Llama(str(gguf), n_ctx=options.get("n_ctx", 1024), n_batch=512, n_threads=threads, verbose=False)
         return {"model": llm, "weight_bytes": gguf.stat().st_size, "item_bytes": 2,
                 "notes": f"llama-cpp-python {llama_cpp.__version__}, {gguf.name}, {threads} threads, use_extra_bufts=False"}  # fmt: skip
     raise ValueError(stack)
@@ -425,6 +438,8 @@ def table(title: str, rows: dict, ours_key: str, bandwidth: float, kv_of) -> str
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--prompt-tokens", help="comma-separated prompt lengths, a table each (e.g. 512,8192,32768); "
+                                                "overrides --prompt")  # fmt: skip
     parser.add_argument("--gen", type=int, default=128)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--models", default="gemma3,gemma4", help="comma-separated: gemma3, gemma4")
@@ -435,6 +450,7 @@ def main() -> None:
                              "a slow spell then hits every stack, not one); cells pool all runs")  # fmt: skip
     parser.add_argument("--only", default="", help="run only the rows whose name contains this text")
     parser.add_argument("--out", help="also write the tables (markdown) to this file")
+    parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--options", default="{}", help=argparse.SUPPRESS)
@@ -442,44 +458,64 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.path, args.prompt, args.gen, args.runs, json.loads(args.options))))
         return
-
-    bandwidth = bandwidth_gbs()
+    if args.smoke:
+        args.prompt_tokens, args.gen, args.runs, args.rounds = "32", 4, 1, 1
+    lengths = [int(n) for n in (args.prompt_tokens or str(args.prompt)).split(",")]
+    record = smoke.Record("speed")
+    bandwidth = bandwidth_gbs(gib=0.125 if args.smoke else 1.0)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     load = os.getloadavg()[0]
-    out = [f"Prompt {args.prompt}, {args.gen} greedy tokens, median [range] of {args.runs} runs per process"
-           f"{f' x {args.rounds} interleaved rounds' if args.rounds > 1 else ''}; "
+    out = [f"{args.gen} greedy tokens after prompts of {', '.join(map(str, lengths))} tokens, median [range] of "
+           f"{args.runs} runs per process{f' x {args.rounds} interleaved rounds' if args.rounds > 1 else ''}; "
            f"memory-bandwidth ceiling measured now: {bandwidth:.1f} GB/s (numpy read, 2 threads, best of 7); load average "
            f"at start {load:.1f} on {os.cpu_count()} CPUs."]  # fmt: skip
     print(out[0], flush=True)
     for key in [m.strip() for m in args.models.split(",") if m.strip()]:
         title, folder_of = MODELS[key]
-        folder = folder_of()
+        folder = smoke.tiny_checkpoint(key) if args.smoke else folder_of()
+        title = f"{title.split(' (')[0]} (tiny random, smoke)" if args.smoke else title
         _, config = weights_per_token(folder)
-        mean_position = args.prompt + args.gen // 2
-        kv_of = lambda item, c=config: kv_bytes_per_token(c, mean_position, item)  # noqa: E731
-        rows = {}
-        plan = list(ABLATIONS.items()) if args.ablations else [(s, (s, {}, {})) for s in STACKS]
-        for round_ in range(args.rounds):
-            for name, (stack, env, options) in plan:
-                if stack in skip or (key != "gemma3" and stack == "llama.cpp") or args.only not in name:
-                    continue
-                if args.ablations and key != "gemma3":
-                    break
-                if stack == "llama.cpp" and not _installed("llama_cpp"):
-                    rows[name] = {"skipped": "llama-cpp-python is not installed (optional)"}
-                    continue
-                print(f"  {title}: {name} (round {round_ + 1}/{args.rounds}) ...", flush=True)
-                path = quantized_folder(folder, QUANTIZED[stack]) if stack in QUANTIZED else folder
-                if stack == "llama.cpp":
-                    path = gemma3_gguf()
-                result = spawn(stack, path, args, env, options)
-                rows[name] = merge(rows.get(name), result)
-        if rows:
-            text = table(title, rows, "ours (all on)" if args.ablations else "ours", bandwidth, kv_of)
-            print(text, flush=True)
-            out.append(text)
+        for n_prompt in lengths:
+            args.prompt = n_prompt
+            mean_position = n_prompt + args.gen // 2
+            kv_of = lambda item, c=config, m=mean_position: kv_bytes_per_token(c, m, item)  # noqa: E731
+            rows = {}
+            plan = list(ABLATIONS.items()) if args.ablations else [(s, (s, {}, {})) for s in STACKS]
+            for round_ in range(args.rounds):
+                for name, (stack, env, options) in plan:
+                    if stack in skip or (key != "gemma3" and stack == "llama.cpp") or args.only not in name:
+                        continue
+                    if args.ablations and key != "gemma3":
+                        break
+                    if stack == "llama.cpp" and not _installed("llama_cpp"):
+                        rows[name] = {"skipped": "llama-cpp-python is not installed (optional)"}
+                        continue
+                    print(f"  {title}, prompt {n_prompt}: {name} (round {round_ + 1}/{args.rounds}) ...", flush=True)
+                    path = quantized_folder(folder, QUANTIZED[stack]) if stack in QUANTIZED else folder
+                    if stack == "llama.cpp":  # the real 270M's GGUF, also in a smoke run (no tiny GGUF exists)
+                        path = gemma3_gguf()
+                        options = {**options, "n_ctx": max(n_prompt, 64) + max(args.gen, 8) + 8}
+                    result = spawn(stack, path, args, env, options)
+                    rows[name] = merge(rows.get(name), result)
+            if rows:
+                text = table(f"{title}, prompt {n_prompt}", rows, "ours (all on)" if args.ablations else "ours", bandwidth, kv_of)
+                print(text, flush=True)
+                out.append(text)
+            for name, r in rows.items():
+                label = f"{key} {name}"
+                peer = name in PEERS or name.startswith("mlx-lm")
+                if "error" in r or "skipped" in r:
+                    package = {"llama.cpp": "llama_cpp", "torch": "torch"}.get(name, "mlx_lm" if peer else None)
+                    record.missing(label, r.get("error") or r["skipped"], ours=not peer, package=package)
+                else:
+                    record.row(label, r["ids"], ours=not peer, prefill=statistics.median(r["prefill"]),
+                               decode=statistics.median(r["decode"]))  # fmt: skip
+            # float32 on the same weights, greedy: the same tokens (llama.cpp, bf16 and quantized rows differ by design)
+            record.agree(*(f"{key} {name}" for name in ("ours", "mlx-lm + BLAS", "torch") if name in rows))
     if args.out:
         Path(args.out).write_text("\n\n".join(out) + "\n")
+    if args.smoke:
+        record.finish()
 
 
 def _installed(name: str) -> bool:
