@@ -46,6 +46,8 @@ _DEFAULTS: dict[str, Any] = dict(
     query_pre_attn_scalar=256,
     sliding_window=4096,
     final_logit_softcapping=None,
+    # EmbeddingGemma: an encoder, every position sees every other (sliding layers within the window).
+    use_bidirectional_attention=False,
 )
 # What each field may hold (graphs.config): a wrong kind is refused naming the key, not run.
 _KINDS: dict[str, Kind] = dict(
@@ -64,14 +66,13 @@ _KINDS: dict[str, Kind] = dict(
     query_pre_attn_scalar=POSITIVE_FLOAT,
     sliding_window=optional(POSITIVE_INT),  # null only without sliding layers (checked in _validate)
     final_logit_softcapping=optional(POSITIVE_FLOAT),
+    use_bidirectional_attention=optional(BOOL),
 )
 
 # Keys that change the maths in ways the graph does not build; a config that sets them is refused.
 _REFUSED = {
     # The cache reads call the fused attention kernel, which has no score softcapping (Gemma 2 had it).
     "attn_logit_softcapping": None,
-    # EmbeddingGemma's bidirectional encoder: no cache read gives a symmetric window.
-    "use_bidirectional_attention": False,
 }
 
 
@@ -98,6 +99,7 @@ class Gemma3TextConfig:
     query_pre_attn_scalar: float
     sliding_window: int
     final_logit_softcapping: float | None
+    use_bidirectional_attention: bool
     layer_types: tuple[str, ...]
     rope_parameters: Mapping[str, Mapping[str, Any]]
 
@@ -115,6 +117,10 @@ class Gemma3TextConfig:
             if text.get(key, inert) not in (inert, None):
                 raise ValueError(f"Gemma3TextConfig: {key}={text[key]!r} is not supported by the graph (only {inert!r})")
         fields = read_fields(text, _DEFAULTS, _KINDS, OWNER)
+        fields["use_bidirectional_attention"] = bool(fields["use_bidirectional_attention"])  # null means off
+        if fields["use_bidirectional_attention"] and fields["sliding_window"] is not None:
+            # transformers stores W//2 + 1 (the exclusive half-width of the symmetric window) and writes back (w-1)*2.
+            fields["sliding_window"] = fields["sliding_window"] // 2 + 1
         if fields["hidden_activation"] not in SUPPORTED_ACTIVATIONS:
             raise ValueError(
                 f"Gemma3TextConfig: unsupported hidden_activation {fields['hidden_activation']!r}; "

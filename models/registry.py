@@ -22,7 +22,7 @@ class Architecture:
     parse_config: Callable[[Mapping[str, Any]], Any]
     build_graph: Callable[[Any], Any]
     load_weights: Callable[[Any, Mapping[str, Any]], None]
-    wrapper: str = "autoregressive"  # or "diffusion", or "unified" (Model with Gemma 4 unified's processors)
+    wrapper: str = "autoregressive"  # or "diffusion", "unified" (Model with Gemma 4 unified's processors), "embedding"
 
 
 class UnsupportedModelError(ValueError):
@@ -204,10 +204,12 @@ def _gemma4_unified_text(config: Mapping[str, Any], weight_names: Collection[str
 
 
 def _gemma3_text(config: Mapping[str, Any], weight_names: Collection[str]) -> Architecture:
+    """Gemma 3 text; with ``use_bidirectional_attention`` the encoder of an embedding model (EmbeddingGemma)."""
     from graphs.gemma3_text import Gemma3TextModel
     from graphs.gemma3_text_config import Gemma3TextConfig
 
-    return Architecture(Gemma3TextConfig.from_dict, Gemma3TextModel, load_gemma3_text_weights)
+    wrapper = "embedding" if config.get("use_bidirectional_attention") is True else "autoregressive"
+    return Architecture(Gemma3TextConfig.from_dict, Gemma3TextModel, load_gemma3_text_weights, wrapper=wrapper)
 
 
 def _diffusion_gemma(config: Mapping[str, Any], weight_names: Collection[str]) -> Architecture:
