@@ -40,8 +40,11 @@ class EmbeddingModel:
         self.settings: SentenceSettings = sentence_settings(self.path)
         self.head = sentence_head(self.path, config.hidden_size, float_dtype(graph.embed_tokens))
         self.dimension = self.head.config.dimension or config.hidden_size
-        limits = [config.max_position_embeddings] + ([self.settings.max_seq_length] if self.settings.max_seq_length else [])
-        self.max_tokens = min(limits)
+        # The token limit: the smallest of the positions the encoder has, sentence_bert_config.json's
+        # max_seq_length and the tokenizer's model_max_length (where sentence-transformers 6 keeps it).
+        tokenizer_limit = getattr(tokenizer._tokenizer, "model_max_length", None)
+        limits = [config.max_position_embeddings, self.settings.max_seq_length, tokenizer_limit]
+        self.max_tokens = min(n for n in limits if isinstance(n, int) and 0 < n < 1 << 30)
 
     @property
     def prompts(self) -> dict[str, str]:
