@@ -84,9 +84,7 @@ class EmbeddingModel:
         for i, text in enumerate(texts):
             if not isinstance(text, str):
                 raise TypeError(f"embed: texts[{i}] is a {type(text).__name__}, not a string")
-        prompt = self._prompt(prompt_name)
-        hf = self.tokenizer._tokenizer
-        ids = hf([prompt + t for t in texts], add_special_tokens=True, truncation=truncate, max_length=self.max_tokens if truncate else None)["input_ids"]
+        ids = self._ids(texts, prompt_name, truncate)
         for i, row in enumerate(ids):
             if len(row) > self.max_tokens:
                 raise ValueError(
@@ -94,6 +92,16 @@ class EmbeddingModel:
                     "pass truncate=True to cut it"
                 )
         return [list(row) for row in ids]
+
+    def count_tokens(self, texts: Sequence[str], prompt_name: str | None = None) -> list[int]:
+        """Each text's length in tokens with its prompt and special tokens, before any cut."""
+        return [len(row) for row in self._ids(texts, prompt_name, False)]
+
+    def _ids(self, texts: Sequence[str], prompt_name: str | None, truncate: bool) -> list[list[int]]:
+        prompt = self._prompt(prompt_name)
+        hf = self.tokenizer._tokenizer
+        limit = self.max_tokens if truncate else None
+        return hf([prompt + t for t in texts], add_special_tokens=True, truncation=truncate, max_length=limit)["input_ids"]
 
     def embed_tokens(
         self, ids: Sequence[Sequence[int]], dimensions: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,

@@ -173,3 +173,27 @@ def test_the_encoder_has_no_causal_forward(tiny):
 
     with pytest.raises(ValueError, match="bidirectional encoder.*run encode"):
         tiny[2].graph(mx.array([[2, 5, 1]]))
+
+
+def test_the_search_example_indexes_a_folder_and_answers(tiny, tmp_path, capsys):
+    from examples import embed
+
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
+    (docs / "a.md").write_text("w1 w2 w3\n\nw4 w5\n\n\n")
+    (docs / "sub" / "b.txt").write_text(" ".join(WORDS[:30]) + "\n\nw50 w51")
+    (docs / "skip.bin").write_text("w1")
+    out = tmp_path / "index.npz"
+    assert embed.main(["index", str(docs), "--out", str(out), "--model", str(tiny[0])]) == 0
+    assert "4 paragraphs from 2 files" in capsys.readouterr().out
+    assert embed.main(["query", str(out), "w4 w5", "--top-k", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    paragraphs = {"a.md#1": "w1 w2 w3", "a.md#2": "w4 w5", "sub/b.txt#1": " ".join(WORDS[:30]), "sub/b.txt#2": "w50 w51"}
+    reference = tiny[1]
+    scores = reference.similarity(reference.encode(["w4 w5"], prompt_name="query"),
+                                  reference.encode(list(paragraphs.values()), prompt_name="document")).numpy()[0]  # fmt: skip
+    best = int(np.argmax(scores))
+    assert lines[0] == f"1. {scores[best]:.3f}  {list(paragraphs)[best]}"
+    assert len([line for line in lines if line[:2] in ("1.", "2.")]) == 2
+    assert embed.main(["index", str(docs), "--out", str(tmp_path / "x.bin"), "--model", str(tiny[0])]) == 2
+    assert embed.main(["query", str(tmp_path / "none.npz"), "w1"]) == 2
