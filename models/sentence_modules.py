@@ -88,6 +88,20 @@ def sentence_head(folder: Path, hidden_size: int, dtype) -> SentenceHead:
     return head
 
 
+def head_files(folder: Path) -> list[str]:
+    """The sentence-transformers files of ``folder`` beyond the transformer's (paths relative to it),
+    for a conversion to carry: ``modules.json``, the prompt and limit configs, each module folder's files."""
+    if not is_sentence_transformers(folder):
+        return []
+    names = [n for n in ("modules.json", "config_sentence_transformers.json", "sentence_bert_config.json") if (folder / n).is_file()]
+    modules = _read_json(folder, "modules.json")
+    for entry in modules if isinstance(modules, list) else []:
+        path = str(entry.get("path", "")) if isinstance(entry, dict) else ""
+        if path and (folder / path).is_dir():
+            names += sorted(f"{path}/{p.name}" for p in (folder / path).iterdir() if p.is_file())
+    return names
+
+
 def sentence_settings(folder: Path) -> SentenceSettings:
     """The prompts of ``config_sentence_transformers.json`` and ``max_seq_length`` of ``sentence_bert_config.json`` (each optional)."""
     prompts, default, limit = {}, None, None

@@ -197,3 +197,16 @@ def test_the_search_example_indexes_a_folder_and_answers(tiny, tmp_path, capsys)
     assert len([line for line in lines if line[:2] in ("1.", "2.")]) == 2
     assert embed.main(["index", str(docs), "--out", str(tmp_path / "x.bin"), "--model", str(tiny[0])]) == 2
     assert embed.main(["query", str(tmp_path / "none.npz"), "w1"]) == 2
+
+
+def test_an_8bit_conversion_keeps_the_head_and_stays_close(tiny, tmp_path):
+    from models.convert import convert
+
+    folder, reference, ours = tiny
+    out = tmp_path / "q8"
+    convert(str(folder), out, q_bits=8)
+    assert (out / "modules.json").is_file() and (out / "2_Dense" / "model.safetensors").is_file()
+    quantized = models.load(str(out))
+    assert "scales" in quantized.graph.layers[0].mlp.gate_proj
+    a, b = quantized.embed(TEXTS, prompt_name="query"), ours.embed(TEXTS, prompt_name="query")
+    assert ((a * b).sum(1)).min() > 0.99

@@ -57,7 +57,7 @@ def real_texts(tokenizer) -> list[str]:
     whole = "\n\n".join(paragraphs)
     ids = tokenizer(whole, add_special_tokens=False)["input_ids"]
     longs = [tokenizer.decode(ids[start : start + n]) for start, n in ((0, 1990), (3000, 1200), (6000, 600))]
-    texts = ["Gemma"] + longs + docstrings[:24]
+    texts = ["Hello"] + longs + docstrings[:24]
     texts += paragraphs[::3][: 64 - len(texts)]
     assert len(texts) == 64, len(texts)
     return texts
