@@ -16,7 +16,6 @@ import mlx.core as mx
 import numpy as np
 
 from graphs.layers import float_dtype
-from graphs.sentence_head import normalized
 
 from models.sentence_modules import SentenceSettings, sentence_head, sentence_settings
 
@@ -126,9 +125,7 @@ class EmbeddingModel:
             lengths = [len(ids[i]) for i in chosen]
             packed = mx.array([t for i in chosen for t in ids[i]], dtype=mx.int32)[None]
             vectors = self.head(self.graph.encode(packed, lengths), lengths)
-            if dimensions < vectors.shape[-1]:
-                vectors = normalized(vectors[:, :dimensions])
-            out[chosen] = np.array(vectors.astype(mx.float32))
+            out[chosen] = matryoshka(np.array(vectors.astype(mx.float32)), dimensions)
             if progress is not None:
                 progress(len(chosen))
         return out
@@ -141,3 +138,11 @@ class EmbeddingModel:
             known = ", ".join(sorted(self.settings.prompts)) or "none"
             raise ValueError(f"embed: unknown prompt_name {name!r}; this model's prompts are: {known}")
         return self.settings.prompts[name]
+
+
+def matryoshka(vectors: np.ndarray, dimensions: int) -> np.ndarray:
+    """The first ``dimensions`` values of each row, renormalized to unit length (unchanged at full size)."""
+    if dimensions >= vectors.shape[-1]:
+        return vectors
+    cut = vectors[..., :dimensions]
+    return cut / np.maximum(np.linalg.norm(cut, axis=-1, keepdims=True), 1e-12)
