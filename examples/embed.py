@@ -20,7 +20,7 @@ import numpy as np
 from tqdm import tqdm
 
 import models
-from models.checks import NotAFileError, regular_file
+from models.checks import regular_file
 
 SUFFIXES = (".txt", ".md")
 
@@ -36,24 +36,24 @@ def paragraphs(folder: Path) -> list[tuple[str, str]]:
     return found
 
 
+def load_embedder(name: str):
+    model = models.load(name)
+    if not hasattr(model, "embed"):
+        raise ValueError(f"{name} is not an embedding model (it has no sentence-transformers head)")
+    return model
+
+
 def build_index(args) -> int:
     folder = Path(args.folder)
     if not args.out.endswith(".npz"):
-        print(f"error: --out {args.out} must end in .npz (numpy adds the suffix otherwise)", file=sys.stderr)
-        return 2
-    try:
-        regular_file(args.out, f"--out {args.out}", "write to it")
-    except NotAFileError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        raise ValueError(f"--out {args.out} must end in .npz (numpy adds the suffix otherwise)")
+    regular_file(args.out, f"--out {args.out}", "write to it")
     if not folder.is_dir():
-        print(f"error: {folder} is not a folder", file=sys.stderr)
-        return 2
+        raise ValueError(f"{folder} is not a folder")
     found = paragraphs(folder)
     if not found:
-        print(f"error: no non-empty paragraphs in the {'/'.join(SUFFIXES)} files under {folder}", file=sys.stderr)
-        return 2
-    model = models.load(args.model)
+        raise ValueError(f"no non-empty paragraphs in the {'/'.join(SUFFIXES)} files under {folder}")
+    model = load_embedder(args.model)
     texts = [text for _, text in found]
     cut = sum(n > model.max_tokens for n in model.count_tokens(texts, "document"))
     with tqdm(total=len(texts), unit="paragraph", disable=len(texts) < 64 or not sys.stderr.isatty()) as bar:
@@ -69,18 +69,13 @@ def build_index(args) -> int:
 
 
 def answer(args) -> int:
-    try:
-        regular_file(args.index, f"index {args.index}")
-    except NotAFileError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    regular_file(args.index, f"index {args.index}")
     if not Path(args.index).is_file():
-        print(f"error: no index file {args.index} (make one with `python -m examples.embed index FOLDER --out {args.index}`)", file=sys.stderr)
-        return 2
+        raise ValueError(f"no index file {args.index} (make one with `python -m examples.embed index FOLDER --out {args.index}`)")
     with np.load(args.index) as index:
         vectors, texts, sources = index["vectors"], index["texts"], index["sources"]
         name, dimensions = str(index["model"]), int(index["dimensions"])
-    model = models.load(args.model or name)
+    model = load_embedder(args.model or name)
     scores = vectors @ model.embed(args.question, prompt_name="query", dimensions=dimensions)
     for rank, i in enumerate(np.argsort(-scores)[: args.top_k], 1):
         text = " ".join(str(texts[i]).split())
@@ -105,7 +100,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return build_index(args) if args.command == "index" else answer(args)
-    except ValueError as err:
+    except (ValueError, models.ModelNotAvailableError) as err:  # bad paths and flags, a model that cannot load
         print(f"error: {err}", file=sys.stderr)
         return 2
 
