@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
-import threading
-import time
 
 import numpy as np
 import pytest
 
 pytest.importorskip("starlette")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 pytest.importorskip("sentence_transformers")
 
 import models  # noqa: E402
-from tests.server_tiny import free_port, http  # noqa: E402
+from tests.server_tiny import http, serving  # noqa: E402
 from tests.test_embedding import TEXTS, save_encoder  # noqa: E402
 
 
@@ -25,27 +22,15 @@ def model(tmp_path_factory):
     return models.load(str(save_encoder(tmp_path_factory.mktemp("embedding-server"))))
 
 
-@contextlib.contextmanager
-def serving(model):
+def app_of(model):
     from models.serving.app import ServerSettings
     from models.serving.embeddings import make_embedding_app
 
-    port = free_port()
-    app = make_embedding_app(model, ServerSettings("tiny-embed"))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    return make_embedding_app(model, ServerSettings("tiny-embed"))
 
 
 def test_the_route_answers_in_openais_shape(model):
-    with serving(model) as url:
+    with serving(app_of(model)) as url:
         status, body = http(f"{url}/v1/embeddings", {"model": "tiny-embed", "input": TEXTS, "prompt_name": "query"})
         assert status == 200 and body["object"] == "list" and body["model"] == "tiny-embed"
         assert [d["index"] for d in body["data"]] == list(range(len(TEXTS)))
@@ -73,7 +58,7 @@ def test_the_route_answers_in_openais_shape(model):
     ],
 )
 def test_bad_requests_are_named(model, body, status, param, message):
-    with serving(model) as url:
+    with serving(app_of(model)) as url:
         got, answer = http(f"{url}/v1/embeddings", body)
         assert got == status and answer["error"]["param"] == param and message in answer["error"]["message"], answer
         assert http(f"{url}/health")[0] == 200  # still serving
