@@ -49,7 +49,7 @@ def real_texts(tokenizer) -> list[str]:
     """64 texts of 3 to 2,000 tokens: a word, doc paragraphs, module docstrings, long documents."""
     paragraphs = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        paragraphs += [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n") if len(p.strip()) > 200]
+        paragraphs += [p.strip() for p in path.read_text(encoding="utf-8").split("\n\n") if 200 < len(p.strip()) < 4000]
     docstrings = []
     for path in sorted(p for part in ("models", "cache", "graphs", "weights") for p in (ROOT / part).glob("*.py")):
         doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
