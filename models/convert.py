@@ -568,8 +568,8 @@ def _notes(config: Mapping[str, Any], added: list[str]) -> list[str]:
                      "docs/unified.md; not in the tests: mlx-vlm is not installed).")  # fmt: skip
     if text.get("attention_bias"):
         notes.append("attention_bias is set: mlx-lm's Gemma classes have no attention biases and cannot load this folder.")
-    if text.get("use_bidirectional_attention") == "all":
-        notes.append("use_bidirectional_attention='all': mlx-lm runs it causally (different outputs).")
+    if text.get("use_bidirectional_attention") in ("all", True):
+        notes.append(f"use_bidirectional_attention={text['use_bidirectional_attention']!r}: mlx-lm runs it causally (different outputs).")
     if model_type in ("gemma3", "gemma3_text") and text.get("final_logit_softcapping"):
         notes.append("final_logit_softcapping is set: mlx-lm's gemma3_text does not apply it (different outputs).")
     if model_type in ("gemma3", "gemma3_text") and text.get("sliding_window_pattern") is None:
