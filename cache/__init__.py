@@ -5,7 +5,8 @@
 the per-graph reads (``decode``, ``window``, ``vision_prefill``, ``encoder``, ``canvas``, and
 ``bidirectional`` for encoder-only configs), ``shared_view()`` for KV-shared layers, trims, and
 ``state`` / ``from_state``. ``Read`` names the read a forward makes; ``check_caches`` checks a model's cache list against the
-``CacheSpec`` of each layer. ``batch_caches`` groups conversations' caches into one ragged batch.
+``CacheSpec`` of each layer. ``batch_caches`` groups conversations' caches into one ragged batch;
+``PackedCache`` runs an encoder over texts packed end to end in one row.
 """
 
 import zoo_cpu  # noqa: F401  (first: loads a fast BLAS before anything imports MLX; see zoo_cpu/blas.py)
@@ -13,6 +14,7 @@ import zoo_cpu  # noqa: F401  (first: loads a fast BLAS before anything imports 
 from .base import AttentionCache, MediaSplitError, SharedView, same_offset
 from .batch import BatchCache, BatchSharedView, advance, batch_caches
 from .full import KVCache, QuantizedKVCache
+from .packed import PackedCache
 from .quantize import quantize_caches
 from .reads import Read
 from .rotating import RotatingKVCache, RotatingQuantizedKVCache
@@ -61,6 +63,7 @@ __all__ = [
     "SharedView",
     "BatchCache",
     "BatchSharedView",
+    "PackedCache",
     "advance",
     "batch_caches",
     "CacheSpec",

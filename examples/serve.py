@@ -107,6 +107,13 @@ def main(argv=None) -> int:
     model = load_model(args)
     if model is None:
         return 1
+    if hasattr(model, "embed_tokens"):  # an embedding model: /v1/embeddings, no generation engine
+        from models.serving.embeddings import make_embedding_app
+
+        settings = ServerSettings(args.model_id or args.model, api_key=args.api_key, allowed_hosts=tuple(args.allowed_host))
+        print(f"serving {settings.model_id} (embeddings) on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+        uvicorn.run(make_embedding_app(model, settings), host=args.host, port=args.port, log_level=args.log_level)
+        return 0
     try:
         store = PrefixStore(args.prefix_cache_bytes) if args.prefix_cache_bytes else None
         engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue, kv_quantization=kv_quantization_from_args(args),

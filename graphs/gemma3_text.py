@@ -15,9 +15,11 @@ from typing import Any, Mapping
 import mlx.core as mx
 import mlx.nn as nn
 
-from cache import KVCache, Read, RotatingKVCache
+from functools import partial
 
-from graphs.gemma3_text_config import SLIDING, Gemma3TextConfig
+from cache import KVCache, PackedCache, Read, RotatingKVCache
+
+from graphs.gemma3_text_config import FULL, SLIDING, Gemma3TextConfig
 from zoo_cpu import fast_math
 
 from .layers import CheckedCaches, GeGLUMLP, RoPE, SelfAttention, float_dtype, softcap
@@ -113,6 +115,11 @@ class Gemma3TextModel(VocabularyHead, CheckedCaches, nn.Module):
         Without ``cache`` this is the no-cache forward: fresh caches and one ``window`` read per layer.
         With one, the ids are appended: a ``window`` read for L > 1, a ``decode`` read for L == 1.
         """
+        if self.config.use_bidirectional_attention:
+            raise ValueError(
+                "Gemma3TextModel: this config is a bidirectional encoder (use_bidirectional_attention: true), "
+                "which has no causal forward or cache; run encode()"
+            )
         cache = self.make_cache() if cache is None else cache
         self.check_cache(cache)
         offset = cache[0].offset  # read before any layer writes
@@ -132,6 +139,28 @@ class Gemma3TextModel(VocabularyHead, CheckedCaches, nn.Module):
         for i, layer_cache in zip(layers, cache):
             h = self.layers[i](h, layer_cache, offset, read)
         return h
+
+    def encode(self, input_ids: mx.array, lengths: list[int]) -> mx.array:
+        """Final-normed hidden states ``[1, N, H]`` of texts packed end to end in ``input_ids [1, N]``
+        (``lengths`` sum to N), each attending only to itself (``cache.PackedCache``): EmbeddingGemma's
+        encoder, transformers' ``Gemma3TextModel`` with ``use_bidirectional_attention``.
+
+        Every layer makes the ``bidirectional`` read. transformers ORs a symmetric overlay
+        ``|q - k| < sliding_window`` onto the sliding mask, with the config's window already halved
+        (``W // 2 + 1``), so a sliding layer sees ``|q - k| <= sliding_window - 1`` (the read's
+        window); full layers see the whole text.
+        """
+        if not self.config.use_bidirectional_attention:
+            raise ValueError("Gemma3TextModel.encode: this config is causal (use_bidirectional_attention is not true)")
+        if input_ids.ndim != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] != sum(lengths):
+            raise ValueError(f"Gemma3TextModel.encode: input_ids {tuple(input_ids.shape)} is not one row of sum(lengths) = {sum(lengths)} ids")
+        W = self.config.sliding_window
+        make = {SLIDING: partial(RotatingKVCache, W - 1), FULL: KVCache}
+        read = Read.bidirectional()
+        h = self.embed(input_ids)
+        for layer, layer_type in zip(self.layers, self.config.layer_types):
+            h = layer(h, PackedCache(lengths, make[layer_type]), 0, read)
+        return self.norm(h)
 
     def embed(self, input_ids: mx.array) -> mx.array:
         """``E[ids] * sqrt(H)``, the scale cast to the weights' dtype first (bf16 rounds it, as the reference does)."""

@@ -34,8 +34,6 @@ DEFAULT_SLIDING_WINDOW_PATTERN = 6
 _REFUSED = {
     # The cache reads call the fused attention kernel, which has no score softcapping (Gemma 2 had it).
     "attn_logit_softcapping": None,
-    # EmbeddingGemma's bidirectional encoder: no cache read gives a symmetric window.
-    "use_bidirectional_attention": False,
 }
 
 
@@ -62,6 +60,8 @@ class Gemma3TextConfig:
     query_pre_attn_scalar: float = setting(256, POSITIVE_FLOAT)
     sliding_window: int = setting(4096, optional(POSITIVE_INT))  # null only without sliding layers (checked in _validate)
     final_logit_softcapping: float | None = setting(None, optional(POSITIVE_FLOAT))
+    # EmbeddingGemma: an encoder, every position sees every other (sliding layers within the window).
+    use_bidirectional_attention: bool = setting(False, optional(BOOL))
     layer_types: tuple[str, ...]
     rope_parameters: Mapping[str, Mapping[str, Any]]
 
@@ -79,6 +79,10 @@ class Gemma3TextConfig:
             if text.get(key, inert) not in (inert, None):
                 raise ValueError(f"Gemma3TextConfig: {key}={text[key]!r} is not supported by the graph (only {inert!r})")
         fields = read_settings(text, cls, OWNER)
+        fields["use_bidirectional_attention"] = bool(fields["use_bidirectional_attention"])  # null means off
+        if fields["use_bidirectional_attention"] and fields["sliding_window"] is not None:
+            # transformers stores W//2 + 1 (the exclusive half-width of the symmetric window) and writes back (w-1)*2.
+            fields["sliding_window"] = fields["sliding_window"] // 2 + 1
         if fields["hidden_activation"] not in SUPPORTED_ACTIVATIONS:
             raise ValueError(
                 f"Gemma3TextConfig: unsupported hidden_activation {fields['hidden_activation']!r}; "

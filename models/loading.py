@@ -82,7 +82,7 @@ def check_sampling_defaults(folder: Path, generation_config: dict) -> None:
         raise ValueError(f"{folder / 'generation_config.json'}: {err}") from None
 
 
-def load_tokenizer(folder: Path, vocab_size: int, eos_token_ids=None):
+def load_tokenizer(folder: Path, vocab_size: int | None, eos_token_ids=None):
     """The folder's tokenizer wrapped by mlx-lm (streaming detokenizer), or None when the folder has
     no tokenizer file (``TOKENIZER_FILES``; a ``tokenizer_config.json`` alone holds no vocabulary).
 
@@ -105,7 +105,7 @@ def load_tokenizer(folder: Path, vocab_size: int, eos_token_ids=None):
             ) from err
         raise TokenizerLoadError(f"{folder}: the tokenizer ({', '.join(present)}) could not be loaded: {err}") from err
     size = tokenizer_vocabulary_size(tokenizer)
-    if size > vocab_size:
+    if vocab_size is not None and size > vocab_size:
         raise VocabularyMismatchError(
             f"{folder}: the tokenizer has {size} ids but the model's vocabulary (config.json vocab_size) has "
             f"{vocab_size}; ids past {vocab_size - 1} would read outside the embedding table, so these tokenizer "
@@ -199,8 +199,9 @@ def load(
     sharding=None,
     plan: str | None = None,
 ):
-    """Load a model by zoo name (``models.zoo.ZOO``), local folder or Hub repo id: a ``Model``, or a
-    ``DiffusionModel`` for DiffusionGemma checkpoints.
+    """Load a model by zoo name (``models.zoo.ZOO``), local folder or Hub repo id: a ``Model``, a
+    ``DiffusionModel`` for DiffusionGemma checkpoints, or an ``EmbeddingModel`` for a bidirectional
+    encoder with a sentence-transformers head (EmbeddingGemma).
 
     ``dtype`` casts floating weights (the scales of a quantized checkpoint are floating too);
     ``"auto"`` (default) lets ``models.precision`` choose for the plan (float32 under the CPU plan
@@ -223,11 +224,16 @@ def load(
     generation_config = read_generation_config(folder)
     wrapper = None
     if tokenizer:
-        wrapper = load_tokenizer(folder, vocab_size_of(loaded.config), generation_config.get("eos_token_id"))
+        vocab_size = None if loaded.architecture.generation == "embedding" else vocab_size_of(loaded.config)
+        wrapper = load_tokenizer(folder, vocab_size, generation_config.get("eos_token_id"))
     if loaded.architecture.generation == "diffusion":
         from models.diffusion_model import DiffusionModel
 
         model = DiffusionModel(loaded.graph, loaded.config, wrapper, generation_config, folder)
+    elif loaded.architecture.generation == "embedding":
+        from models.embedding_model import EmbeddingModel
+
+        model = EmbeddingModel(loaded.graph, loaded.config, wrapper, folder, loaded.raw_config["model_type"])
     elif loaded.architecture.processors == "gemma4_unified":
         from models.unified_model import UnifiedModel
 

@@ -57,8 +57,8 @@ class Peer:
         text = (config.get("text_config") if self.nested else config) or {}
         if text.get("attention_bias"):
             notes.append("attention_bias is set: mlx-lm's Gemma classes have no attention biases and cannot load this folder.")
-        if text.get("use_bidirectional_attention") == "all":
-            notes.append("use_bidirectional_attention='all': mlx-lm runs it causally (different outputs).")
+        if text.get("use_bidirectional_attention") in ("all", True):
+            notes.append(f"use_bidirectional_attention={text['use_bidirectional_attention']!r}: mlx-lm runs it causally (different outputs).")
         if self.text_notes is not None:
             notes += self.text_notes(text)
         return notes

@@ -49,7 +49,8 @@ class Architecture:
     mirror in ``weights``), what its MLX peer needs (``peer``), how it splits across ranks
     (``decoder_shape``; None: not split), its media processors' settings family
     (``models.processing.settings``; None: text only) and which generation loop wraps it
-    (``Model`` for ``"autoregressive"``, ``DiffusionModel`` for ``"diffusion"``)."""
+    (``Model`` for ``"autoregressive"``, ``DiffusionModel`` for ``"diffusion"``, ``EmbeddingModel``
+    for ``"embedding"``: an encoder with no generation loop)."""
 
     parse_config: Callable[[Mapping[str, Any]], Any]
     build_graph: Callable[[Any], Any]
@@ -333,11 +334,18 @@ def _gemma4_unified_text(config: Mapping[str, Any], weight_names: Collection[str
 
 
 def _gemma3_text(config: Mapping[str, Any], weight_names: Collection[str], nested: bool = False) -> Architecture:
-    """Gemma 3's text decoder; ``nested``: the text part of a multimodal ``gemma3`` config (mlx-lm's ``gemma3`` layout)."""
+    """Gemma 3's text decoder; ``nested``: the text part of a multimodal ``gemma3`` config (mlx-lm's ``gemma3`` layout).
+    With ``use_bidirectional_attention`` it is the encoder of an embedding model (EmbeddingGemma): no generation
+    loop, not split over ranks."""
     from graphs.gemma3_text import Gemma3TextModel
     from graphs.gemma3_text_config import Gemma3TextConfig
     from weights.layouts import causal_lm_layout, nested_text_layout
 
+    if config.get("use_bidirectional_attention") is True:
+        return Architecture(
+            Gemma3TextConfig.from_dict, Gemma3TextModel, load_gemma3_text_weights, causal_lm_layout,
+            _gemma3_peer(False), None, generation="embedding",
+        )  # fmt: skip
     return Architecture(
         Gemma3TextConfig.from_dict, Gemma3TextModel, load_gemma3_text_weights,
         nested_text_layout if nested else causal_lm_layout, _gemma3_peer(nested), gemma3_decoder_shape,

@@ -16,6 +16,12 @@ def _gemma3_270m(packed: bool = False) -> Path:
     return gemma3_270m_folder(packed=packed)
 
 
+def _embeddinggemma_300m() -> Path:
+    from models.assets.embeddinggemma import embeddinggemma_folder
+
+    return embeddinggemma_folder()
+
+
 def _gemma3_270m_quantized(bits: int) -> Path:
     """The 270M quantized once by ``models.convert`` under ``QUANTIZED_270M[bits]`` from the float32
     folder into the assets cache (written beside it and renamed into place, so the folder is
@@ -58,6 +64,8 @@ ZOO: dict[str, Callable[[], Path]] = {
     "gemma-3-270m-4bit": partial(_gemma3_270m_quantized, 4),
     # The llama.cpp file's own grid, packed: its Q8_0 / Q5_0 / Q4_K blocks as they are, Q6_K at 8 bits.
     "gemma-3-270m-q4km": partial(_gemma3_270m, packed=True),
+    # Google's EmbeddingGemma 300M Hub folder, from chunk packages (models.assets.embeddinggemma).
+    "embeddinggemma-300m": _embeddinggemma_300m,
 }
 
 

@@ -129,16 +129,26 @@ def running_server(model, model_id: str = "tiny", **options):
     """The app of ``models.serving`` for ``model`` under uvicorn on a free loopback port, in this
     process; yields the base URL. ``options``: Engine options (``max_batch`` ...) and ServerSettings
     fields (``media`` ...)."""
-    import uvicorn
-
     from models.serving.app import ServerSettings, make_app
     from models.serving.engine import Engine
 
     engine_keys = {"max_batch", "max_queue", "prefix_store", "kv_quantization", "prefill_step_size"}
     engine = Engine(model, **{k: v for k, v in options.items() if k in engine_keys}).start()
     settings = ServerSettings(model_id, **{k: v for k, v in options.items() if k not in engine_keys})
+    try:
+        with serving(make_app(model, engine, settings)) as url:
+            yield url
+    finally:
+        engine.stop()
+
+
+@contextlib.contextmanager
+def serving(app):
+    """``app`` under uvicorn on a free loopback port, in this process; yields the base URL."""
+    import uvicorn
+
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(make_app(model, engine, settings), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -151,4 +161,3 @@ def running_server(model, model_id: str = "tiny", **options):
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-        engine.stop()

@@ -160,7 +160,7 @@ def test_key_layouts_and_errors(tmp_path):
     "change, message",
     [
         ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
-        ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
         ({"hidden_activation": "gelu"}, "hidden_activation"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope_type 'yarn'"),
         ({"layer_types": [S, F]}, "2 entries for 6 layers"),

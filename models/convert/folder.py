@@ -21,6 +21,7 @@ from typing import Callable, TypeVar
 from weights.resolve import folder_file, staging_name
 
 from models.convert.shards import INDEX_FILE, SHARD_FILE
+from models.sentence_modules import head_files
 
 MODEL_CARD = "README.md"
 # The model card's provenance line; an existing folder whose card has it is a previous conversion.
@@ -54,6 +55,7 @@ def side_files(source: Path) -> list[str]:
     names = [n for n in COPIED_FILES if (source / n).is_file()]
     for pattern in COPIED_PATTERNS:
         names += sorted(p.name for p in source.glob(pattern) if p.is_file() and p.name not in names)
+    names += head_files(source)  # an embedding model's sentence-transformers head, kept as it is
     for name in names:
         folder_file(source, name, f"convert: side file {source / name}")
     return names
@@ -62,6 +64,7 @@ def side_files(source: Path) -> list[str]:
 def copy_side_files(source: Path, out: Path, names: list[str] | None = None) -> list[str]:
     names = side_files(source) if names is None else names
     for name in names:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(folder_file(source, name, f"convert: side file {source / name}"), out / name)
     return list(names)
 

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (server-sent events with
 ``stream: true``, ``stream_options.include_usage`` for a last usage chunk), ``GET /v1/models``,
-``GET /health``, ``GET /metrics``. Errors are OpenAI-shaped bodies (``{"error": {"message", "type",
+``GET /health``, ``GET /metrics``; an embedding model is served by ``models.serving.embeddings``
+(``POST /v1/embeddings``). Errors are OpenAI-shaped bodies (``{"error": {"message", "type",
 "param", "code"}}``) with a 4xx naming the fault; the server keeps serving after any of them.
 
 A request's way: the body is parsed and checked (``schemas``) in a worker thread; its media parts

@@ -1,0 +1,163 @@
+"""EmbeddingGemma 300M: texts per second and peak memory, ours against sentence-transformers and mlx-embeddings.
+
+    python -m benchmarks.embedding            # 256 texts of mixed length, every stack in turn
+    python -m benchmarks.embedding --smoke    # 16 short texts: checks that every stack runs
+
+Each stack runs in its own fresh process (``--worker STACK``), so its peak resident memory
+(``ru_maxrss``: weights, activations, everything) is its own and no BLAS or thread setting of one
+stack reaches another: sentence-transformers on torch float32 with 2 threads and without our BLAS
+preload (``benchmarks.speed.PEER_ENV``); mlx-embeddings and ours on MLX's CPU. All embed the same
+texts with the ``document`` prompt in batches of 32, after a warm-up batch; mlx-embeddings gets its
+batches sorted by length (as sentence-transformers and ours sort), padded to the longest. Each
+stack's vectors are compared with sentence-transformers' (the reference) as the lowest cosine.
+The texts are paragraphs of this repository's docs cut to token lengths cycling through ``LENGTHS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STACKS = ("ours", "sentence-transformers", "mlx-embeddings")
+LENGTHS = (16, 32, 64, 128, 256, 512)  # tokens of text before the prompt and special tokens
+BATCH = 32
+
+
+def texts(tokenizer, count: int, lengths) -> list[str]:
+    """``count`` texts cut from the docs' paragraphs to token lengths cycling through ``lengths``."""
+    words = " ".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    ids = tokenizer(words, add_special_tokens=False)["input_ids"]
+    out, start = [], 0
+    for i in range(count):
+        n = lengths[i % len(lengths)]
+        start = (start + 997) % (len(ids) - n)
+        out.append(tokenizer.decode(ids[start : start + n]))
+    return out
+
+
+def run_ours(folder: str, batch: list[str], warm: list[str]):
+    import models
+
+    model = models.load(folder)
+    model.embed(warm, prompt_name="document", batch_size=BATCH)
+    start = time.perf_counter()
+    vectors = model.embed(batch, prompt_name="document", batch_size=BATCH)
+    import mlx.core as mx
+
+    return time.perf_counter() - start, vectors, f"mlx {mx.__version__}"
+
+
+def run_sentence_transformers(folder: str, batch: list[str], warm: list[str]):
+    import sentence_transformers
+    import torch
+
+    torch.set_num_threads(2)
+    model = sentence_transformers.SentenceTransformer(folder, device="cpu")
+    model.encode(warm, prompt_name="document", batch_size=BATCH)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        vectors = model.encode(batch, prompt_name="document", batch_size=BATCH, convert_to_numpy=True)
+    return time.perf_counter() - start, vectors, f"sentence-transformers {sentence_transformers.__version__}, torch {torch.__version__}"
+
+
+def run_mlx_embeddings(folder: str, batch: list[str], warm: list[str]):
+    import mlx.core as mx
+    import numpy as np
+    from importlib.metadata import version
+    from mlx_embeddings.utils import load
+
+    model, tokenizer = load(folder)
+    prompt = json.loads((Path(folder) / "config_sentence_transformers.json").read_text())["prompts"]["document"]
+
+    def embed(items: list[str]) -> np.ndarray:
+        order = sorted(range(len(items)), key=lambda i: -len(tokenizer._tokenizer(prompt + items[i])["input_ids"]))
+        out = np.empty((len(items), 768), dtype=np.float32)
+        for s in range(0, len(order), BATCH):
+            chosen = order[s : s + BATCH]
+            enc = tokenizer._tokenizer([prompt + items[i] for i in chosen], padding=True, return_tensors="np")
+            result = model(mx.array(enc["input_ids"]), attention_mask=mx.array(enc["attention_mask"]))
+            out[chosen] = np.array(result.text_embeds.astype(mx.float32))
+        return out
+
+    embed(warm)
+    start = time.perf_counter()
+    vectors = embed(batch)
+    return time.perf_counter() - start, vectors, f"mlx-embeddings {version('mlx-embeddings')}"
+
+
+RUNNERS = {"ours": run_ours, "sentence-transformers": run_sentence_transformers, "mlx-embeddings": run_mlx_embeddings}
+
+
+def worker(stack: str, folder: str, texts_file: str, vectors_file: str) -> None:
+    import numpy as np
+
+    batch = json.loads(Path(texts_file).read_text())
+    start = time.perf_counter()
+    seconds, vectors, notes = RUNNERS[stack](folder, batch, batch[:4])
+    np.save(vectors_file, np.asarray(vectors, dtype=np.float32))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    print(json.dumps({"seconds": seconds, "total": time.perf_counter() - start, "peak_mb": peak, "notes": notes}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="16 texts of 8-32 tokens")
+    parser.add_argument("--model", default="embeddinggemma-300m", help="zoo name or local folder")
+    parser.add_argument("--stacks", default=",".join(STACKS))
+    parser.add_argument("--worker", nargs=4, metavar=("STACK", "FOLDER", "TEXTS", "VECTORS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(*args.worker)
+        return
+
+    import numpy as np
+
+    from models.loading import load_tokenizer, model_folder
+
+    folder = model_folder(args.model)
+    tokenizer = load_tokenizer(folder, None)._tokenizer
+    count, lengths = (16, (8, 16, 32)) if args.smoke else (256, LENGTHS)
+    batch = texts(tokenizer, count, lengths)
+    tokens = sum(len(tokenizer("title: none | text: " + t)["input_ids"]) for t in batch)
+    print(f"{count} texts, {tokens} tokens with the document prompt (lengths cycling {lengths}), batches of {BATCH}; "
+          f"load average {os.getloadavg()[0]:.1f} at the start on {os.cpu_count()} CPUs.", flush=True)  # fmt: skip
+    rows, vectors = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "texts.json").write_text(json.dumps(batch))
+        for stack in [s.strip() for s in args.stacks.split(",")]:
+            out = Path(tmp) / f"{stack}.npy"
+            env = {**os.environ, "GEMMA_ZOO_BLAS": "off"} if stack != "ours" else dict(os.environ)
+            command = [sys.executable, "-m", "benchmarks.embedding", "--worker", stack, str(folder), str(Path(tmp) / "texts.json"), str(out)]
+            done = subprocess.run(command, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(f"{stack}: failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}", flush=True)
+                continue
+            result = json.loads(done.stdout.strip().splitlines()[-1])
+            vectors[stack] = np.load(out)
+            rows.append((stack, result))
+            print(f"{stack}: {count / result['seconds']:.2f} texts/s, peak {result['peak_mb']:.0f} MB ({result['notes']})", flush=True)
+    reference = vectors.get("sentence-transformers")
+    base = dict(rows).get("sentence-transformers")
+    print(f"\n| stack | texts/s | x sentence-transformers | peak RSS (MB) | lowest cosine to sentence-transformers |\n|---|---|---|---|---|")
+    for stack, result in rows:
+        speed = count / result["seconds"]
+        ratio = f"{speed / (count / base['seconds']):.2f}x" if base else "-"
+        if reference is not None:
+            a, b = vectors[stack], reference
+            cosine = f"{((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min():.6f}"
+        else:
+            cosine = "-"
+        print(f"| {stack} | {speed:.2f} | {ratio} | {result['peak_mb']:.0f} | {cosine} |")
+    print(f"\nLoad average {os.getloadavg()[0]:.1f} at the end.")
+
+
+if __name__ == "__main__":
+    main()
