@@ -207,12 +207,15 @@ def make_drafter(draft, target):
 
 # ---------------------------------------------------------------------------------------- the loop
 def check_speculative_sampling(options: SamplingOptions) -> None:
-    """Refuse options speculative decoding cannot honour: a repetition penalty (acceptance compares
-    the drafter's and the target's distributions, which a penalty over the drafted tokens would change)."""
+    """Refuse options speculative decoding cannot honour: penalties and a logit bias (acceptance
+    compares the drafter's and the target's distributions, which a processor over the drafted
+    tokens would change)."""
     options.check()
-    if options.repetition_penalty != 1:
-        raise GenerationOptionError("repetition_penalty", options.repetition_penalty,
-                                    "speculative decoding applies no repetition penalty; use 1 or no draft model")  # fmt: skip
+    for name, neutral in (("repetition_penalty", 1), ("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", None)):
+        value = getattr(options, name)
+        if value != neutral and (name != "logit_bias" or value):
+            raise GenerationOptionError(name, value, f"speculative decoding applies no {name.replace('_', ' ')}; "
+                                                     "leave it out or use no draft model")  # fmt: skip
 
 
 def speculative_tokens(
