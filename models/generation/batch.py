@@ -39,6 +39,7 @@ from models.checks import id_list
 from models.generation.generate import (
     DEFAULT_PREFILL_STEP, KVQuantization, SamplingOptions, TokenSampler, check_context, check_positive_int, prefill,
 )  # fmt: skip
+from models.generation.constraints import Grammar
 from models.generation.processors import TokenLogprob, check_logit_bias, token_logprob
 from models.generation.prompt_cache import caches_from_layer_states, layer_states
 from models.generation.prompts import Prompt
@@ -49,7 +50,8 @@ class BatchRequest:
     """One conversation to continue: ``prompt`` as text, ids or a ready ``Prompt``; ``images``,
     ``audio`` and ``videos`` go with their placeholders in a text or id prompt (``Model.prompt``).
     ``n`` choices share the prompt; ``logprobs`` (None: none) is how many most likely tokens to
-    report beside each generated token's own log-probability."""
+    report beside each generated token's own log-probability; ``grammar`` constrains each choice
+    (``models.generation.constraints``; checked at submit, one parser state per choice)."""
 
     prompt: str | Sequence[int] | Prompt
     max_tokens: int = 256
@@ -61,6 +63,7 @@ class BatchRequest:
     max_soft_tokens: int | None = None
     n: int = 1
     logprobs: int | None = None
+    grammar: Grammar | None = None
 
 
 @dataclass
@@ -148,6 +151,8 @@ class BatchGenerator:
             raise ValueError(f"submit: logprobs must be a whole number >= 0 (or None), got {request.logprobs!r}")
         if request.stop_ids is not None:
             id_list(list(request.stop_ids), self.model.vocab_size, "BatchRequest.stop_ids")
+        if request.grammar is not None:
+            self._constraint(request)  # a grammar that cannot compile is refused now
         has_media = bool(request.images or request.audio or request.videos)
         if isinstance(request.prompt, Prompt):
             if has_media:
@@ -246,10 +251,17 @@ class BatchGenerator:
             sampling = request.sampling
             if choice and sampling.seed is not None:
                 sampling = dataclasses.replace(sampling, seed=sampling.seed + choice)
-            sampler = TokenSampler(sampling, prompt.ids, keep_logprobs=request.logprobs is not None)
+            constraint = None if request.grammar is None else self._constraint(request)
+            sampler = TokenSampler(sampling, prompt.ids, constraint=constraint, keep_logprobs=request.logprobs is not None)
             own = cache if choice == request.n - 1 else caches_from_layer_states(layer_states(cache))
             rows.append(_Row(request_id, choice, prompt, own, sampler, stop_ids, request.max_tokens, reused, request.logprobs))
         return rows, logits
+
+    def _constraint(self, request: BatchRequest):
+        if self.model.tokenizer is None:
+            raise ValueError("submit: a grammar needs the model's tokenizer (it is matched against token texts)")
+        stop_ids = self.model.stop_ids if request.stop_ids is None else request.stop_ids
+        return request.grammar.compile(self.model.tokenizer, self.model.vocab_size, stop_ids)
 
     def _decode(self, rows: list[_Row]) -> list[BatchEvent]:
         ids = mx.array([[row.token] for row in rows])

@@ -375,6 +375,7 @@ def generate_tokens(
     kv_quantization: KVQuantization | None = None,
     overlap: bool = False,
     max_context: int | None = None,
+    constraint=None,
 ) -> Iterator[int]:
     """Yield generated token ids; each yielded id has already been fed to ``cache``.
 
@@ -392,10 +393,11 @@ def generate_tokens(
     and leaves its chunks in the cache (a caller that keeps the cache rolls it back).
     ``images`` are the image spans of ``prompt_ids`` (see ``prefill``); ``kv_quantization`` switches
     the caches to quantized storage once they hold enough positions. ``stats`` is filled in.
+    ``constraint`` (``models.generation.constraints``) masks every step to what its grammar allows.
     """
     max_tokens = check_positive_int("max_tokens", max_tokens)
     prefill_step_size = check_positive_int("prefill_step_size", prefill_step_size)
-    sample = TokenSampler(sampling or SamplingOptions(), prompt_ids)
+    sample = TokenSampler(sampling or SamplingOptions(), prompt_ids, constraint=constraint)
     stop_ids = set(stop_ids)
     stats = stats if stats is not None else GenerationStats()
     offset = check_context(cache, len(prompt_ids), max_context)
