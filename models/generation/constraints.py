@@ -21,6 +21,7 @@ The mask is computed on the host while the step's forward runs (the logits are q
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from dataclasses import dataclass
@@ -40,7 +41,6 @@ class GrammarError(ValueError):
 def _llguidance():
     try:
         import llguidance
-        import llguidance.hf
     except ImportError as err:
         raise GrammarError("constrained decoding needs llguidance: pip install -e \".[server]\"") from err
     return llguidance
@@ -48,8 +48,16 @@ def _llguidance():
 
 @functools.lru_cache(maxsize=4)
 def _lltokenizer(tokenizer, vocab_size: int, eos: int):
-    """llguidance's view of ``tokenizer`` (about 10 s for a 262k vocabulary: built once per tokenizer)."""
-    return _llguidance().hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+    """llguidance's view of a Hugging Face tokenizer's Rust backend, or of that backend itself (what ``llguidance.hf`` does,
+    without its check for the ``PreTrainedTokenizerFast`` class, which transformers 5's tokenizers
+    are not); about 10 s for a 262k vocabulary, so built once per tokenizer."""
+    backend = tokenizer if hasattr(tokenizer, "to_str") else getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise GrammarError(f"constrained decoding needs a tokenizer with a Rust (tokenizers) backend, not {type(tokenizer).__name__}")
+    backend = copy.copy(backend)
+    backend.no_padding()
+    backend.no_truncation()
+    return _llguidance().LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos)
 
 
 @dataclass(frozen=True)
@@ -97,7 +105,7 @@ class Grammar:
         stops = sorted(stop_ids)
         if not stops:
             raise GrammarError("constrained decoding needs at least one stop id to end a complete answer")
-        lltokenizer = _lltokenizer(getattr(tokenizer, "_tokenizer", tokenizer), vocab_size, stops[0])  # mlx-lm's wrapper unwrapped
+        lltokenizer = _lltokenizer(getattr(tokenizer, "_tokenizer", tokenizer), vocab_size, stops[0])  # a wrapper's inner tokenizer
         text = self.text()
         failed, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(text, lltokenizer)
         if failed:

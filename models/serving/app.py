@@ -48,12 +48,14 @@ from models.generation.chat import plain_transcript
 from models.generation.chat_template import render_ids
 from models.generation.generate import GenerationOptionError, SamplingOptions
 from models.generation.batch import BatchRequest
+from models.generation.constraints import Grammar, GrammarError
 from models.serving.engine import DiffusionRequest, Engine, Event, QueueFull
 from models.serving.guard import Guard, loads
 from models.serving.logprobs import TokenTexts
 from models.serving.media import Media, MediaPolicy, media_counts, open_image, template_messages
 from models.serving.output import Delta, Markers, OutputParser
 from models.serving.schemas import APIError, ChatRequest, CompletionRequest, parse
+from models.serving.tool_grammar import tool_call_grammar
 
 
 # SamplingOptions field -> the request's (and ServerSettings') field.
@@ -205,6 +207,8 @@ class Server:
                     raise APIError(400, f"{option}: DiffusionGemma samples by its own schedule; leave {option} out", option)
             if req.n != 1:
                 raise APIError(400, "n: DiffusionGemma runs one choice per request", "n")
+            if self.grammar(req) is not None:
+                raise APIError(400, "DiffusionGemma denoises whole blocks; its answers cannot be constrained by a grammar", None)
             stop_ids = frozenset(self.model.defaults.eos_token_id)
             return Prepared(DiffusionRequest(ids, max_tokens, images, req.seed, stop_ids), prompt_tokens, parsers)
         if getattr(req, "canvas_events", False):
@@ -219,9 +223,42 @@ class Server:
             sampling = self.sampling(req)
         except GenerationOptionError as err:
             raise APIError(400, str(err), REQUEST_FIELDS.get(err.argument, err.argument)) from None
+        grammar = self.grammar(req)
+        if grammar is not None:
+            await anyio.to_thread.run_sync(self._check_grammar, grammar[0], grammar[1], limiter=self.tokenizing)
         request = BatchRequest(ids, max_tokens=max_tokens, sampling=sampling, images=images, audio=audio, videos=videos, n=req.n,
-                               logprobs=req.top_count)  # fmt: skip
+                               logprobs=req.top_count, grammar=None if grammar is None else grammar[0])  # fmt: skip
         return Prepared(request, prompt_tokens, parsers)
+
+    def grammar(self, req) -> tuple[Grammar, str] | None:
+        """The grammar the request's answer must match and the option that asks for it, or None."""
+        response_format = getattr(req, "response_format", None)
+        if response_format is not None and response_format.type == "json_object":
+            return Grammar("json_object"), "response_format"
+        if response_format is not None and response_format.type == "json_schema":
+            return Grammar("json_schema", response_format.json_schema.json_schema or {}), "response_format.json_schema.schema"
+        if req.guided_json is not None:
+            return Grammar("json_schema", req.guided_json), "guided_json"
+        if req.guided_regex is not None:
+            return Grammar("regex", req.guided_regex), "guided_regex"
+        if req.guided_grammar is not None:
+            return Grammar("gbnf" if "::=" in req.guided_grammar else "lark", req.guided_grammar), "guided_grammar"
+        choice = getattr(req, "tool_choice", None)
+        if choice not in (None, "auto", "none"):
+            name = None if choice == "required" else choice.function.name
+            try:
+                return tool_call_grammar(self.markers, [t.function for t in req.tools], name), "tool_choice"
+            except ValueError as err:
+                raise APIError(400, f"tools: {err}", "tools") from None
+        return None
+
+    def _check_grammar(self, grammar: Grammar, param: str) -> None:
+        """Compile ``grammar`` once (a worker thread: the first compile builds llguidance's view of
+        the vocabulary), so that one it cannot compile is a 400 naming the option."""
+        try:
+            grammar.compile(self.model.tokenizer, self.model.vocab_size, self.model.stop_ids)
+        except GrammarError as err:
+            raise APIError(400, f"{param}: {err}", param) from None
 
     def sampling(self, req=None) -> SamplingOptions:
         """The request's sampling fields, else the server's flags, else the checkpoint's defaults

@@ -11,7 +11,7 @@ DiffusionGemma server for its denoising steps.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -110,8 +110,31 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(Strict):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Strict):
-    type: Literal["text"]  # json_object / json_schema need constrained decoding, which we do not have
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type 'json_schema', and that type needs it")
+        return self
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class TemplateOptions(Strict):
@@ -121,6 +144,8 @@ class TemplateOptions(Strict):
 # ----------------------------------------------------------------------------------- requests
 class Sampling(Strict):
     """The sampling and length options both endpoints share."""
+
+    GUIDES: ClassVar[tuple[str, ...]] = ("guided_json", "guided_regex", "guided_grammar", "tool_choice")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -135,6 +160,9 @@ class Sampling(Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES)
+    guided_json: dict[str, Any] | str | None = None  # vLLM's extensions: at most one guide per request
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # Lark (llguidance's dialect), or GBNF when it holds "::="
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
@@ -160,6 +188,11 @@ class Sampling(Strict):
 
     @model_validator(mode="after")
     def _checks(self) -> "Sampling":
+        guides = [name for name in self.GUIDES if getattr(self, name, None) not in (None, "auto", "none")]
+        if getattr(self, "response_format", None) is not None and self.response_format.type != "text":
+            guides.append("response_format")
+        if len(guides) > 1:
+            raise ValueError(f"{' and '.join(guides)} each constrain the answer; send one")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
         return self
@@ -178,7 +211,7 @@ class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Tool] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
@@ -193,6 +226,12 @@ class ChatRequest(Sampling):
             raise ValueError("max_tokens and max_completion_tokens disagree; send one")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        forced = self.tool_choice not in (None, "auto", "none")
+        if forced and not self.tools:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        names = [tool.function.name for tool in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools {names}")
         return self
 
     @property
