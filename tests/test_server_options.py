@@ -9,6 +9,7 @@ and completions); ``n`` greedy choices agree and seeded ones each equal a lone r
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -151,3 +152,86 @@ def test_penalized_requests_equal_generate_alone_and_batched(model, url):
     assert [ask(f) for f in PENALIZED] == wanted
     with ThreadPoolExecutor(len(PENALIZED)) as pool:  # batched beside each other
         assert list(pool.map(ask, PENALIZED)) == wanted
+
+
+# ------------------------------------------------------------------------------ structured output
+def test_json_schemas_validate_streamed_and_not_alone_and_batched(model, url):
+    jsonschema = pytest.importorskip("jsonschema")
+    from tests.json_schemas import SCHEMAS
+
+    def body(i: int, name: str) -> dict:
+        schema = SCHEMAS[name][0]
+        return {"model": "tiny", "messages": USER, "max_tokens": 160, "temperature": 1.0, "seed": i,
+                "response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}}  # fmt: skip
+
+    def plain(args) -> str:
+        status, answer = http(url + "/v1/chat/completions", body(*args))
+        assert status == 200, answer
+        assert answer["choices"][0]["finish_reason"] == "stop", answer
+        return answer["choices"][0]["message"]["content"]
+
+    def streamed(args) -> str:
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in stream_events(url, "/v1/chat/completions", body(*args))
+                       if c["choices"])  # fmt: skip
+
+    jobs = list(enumerate(SCHEMAS))
+    alone = [plain(job) for job in jobs[:3]]
+    with ThreadPoolExecutor(4) as pool:
+        batched, streams = list(pool.map(plain, jobs)), list(pool.map(streamed, jobs))
+    assert batched[:3] == alone and streams == batched
+    for (_, name), text in zip(jobs, batched):
+        jsonschema.validate(json.loads(text), SCHEMAS[name][0])
+
+
+def test_guided_regex_and_grammar(model, url):
+    prompt = model.encode("Code:")
+    for fields, pattern in (({"guided_regex": "[A-Z]{3}-[0-9]{2}"}, "[A-Z]{3}-[0-9]{2}"),
+                            ({"guided_grammar": 'start: ("yes" | "no") "!"'}, "(yes|no)!"),
+                            ({"guided_grammar": 'root ::= "x" [0-9] [0-9]?'}, "x[0-9]{1,2}")):  # fmt: skip
+        for seed in (1, 2):
+            status, body = http(url + "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 1.0,
+                                                          "seed": seed, **fields})  # fmt: skip
+            assert status == 200, body
+            assert re.fullmatch(pattern, body["choices"][0]["text"]), (fields, body)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
+     ["response_format.json_schema.schema", 'Unimplemented keys: ["uniqueItems"]']),
+    ({"guided_regex": "("}, ["guided_regex", "unclosed group"]),
+    ({"guided_grammar": "start: foo"}, ["guided_grammar", 'unknown name: "foo"']),
+    ({"response_format": {"type": "json_schema"}}, ["json_schema goes with type"]),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, ["guided_regex and response_format", "send one"]),
+    ({"tool_choice": "required"}, ["tool_choice 'required' or a named function needs tools"]),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     ["tool_choice names 'g'"]),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/x"}}}}}],
+      "tool_choice": "required"}, ["tools: f.parameters.properties.a: the keyword '$ref'"]),
+])  # fmt: skip
+def test_a_guide_that_cannot_compile_is_a_400_naming_it(url, fields, words):
+    status, body = http(url + "/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 4, **fields})
+    assert status == 400, body
+    for word in words:
+        assert word in body["error"]["message"], body
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"]}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}}, "required": ["zone"]}}}  # fmt: skip
+
+
+def test_forced_tool_calls(model, url):
+    jsonschema = pytest.importorskip("jsonschema")
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for seed in range(3):
+        for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+            reply = client.chat.completions.create(model="tiny", messages=USER, tools=[WEATHER, TIME], tool_choice=choice,
+                                                   max_tokens=40, temperature=1.0, seed=seed)  # fmt: skip
+            assert reply.choices[0].finish_reason == "tool_calls", reply
+            (call,) = reply.choices[0].message.tool_calls
+            if choice != "required":
+                assert call.function.name == "get_time"
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
