@@ -76,3 +76,49 @@ def test_what_cannot_compile_is_named(model, grammar, words):
         assert word in str(err.value)
     with pytest.raises(ValueError, match=re.escape(words[0])):
         BatchGenerator(model).submit(BatchRequest([2, 5], grammar=grammar))
+
+
+@pytest.mark.slow  # the real Gemma 3 270M, loaded and run through the server
+def test_the_real_270m_answers_every_schema_validly_through_the_server():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.server_tiny import http, running_server
+
+    model = models.load("gemma-3-270m")
+    messages = [{"role": "user", "content": "Describe one item as JSON."}]
+
+    def ask(args) -> str:
+        (i, name), stream = args
+        body = {"model": "tiny", "messages": messages, "max_tokens": 200, "temperature": 1.0, "seed": i, "stream": stream,
+                "response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name][0], "strict": True}}}  # fmt: skip
+        if not stream:
+            status, answer = http(url + "/v1/chat/completions", body)
+            assert status == 200, answer
+            return answer["choices"][0]["message"]["content"]
+        import urllib.request
+
+        request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            chunks = [json.loads(line[6:]) for line in (raw.decode().strip() for raw in response) if line.startswith("data: {")]
+        return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+    jobs = list(enumerate(SCHEMAS))
+    with running_server(model, max_batch=4) as url:
+        alone = [ask((job, False)) for job in jobs[:2]]
+        with ThreadPoolExecutor(4) as pool:
+            plain = list(pool.map(ask, [(job, False) for job in jobs]))
+            streamed = list(pool.map(ask, [(job, True) for job in jobs]))
+        assert plain[:2] == alone and streamed == plain
+        for (_, name), text in zip(jobs, plain):
+            jsonschema.validate(json.loads(text), SCHEMAS[name][0])
+        finished = 0  # json_object bounds no string, so an answer may run to max_tokens; those that end parse
+        for seed in range(4):
+            status, answer = http(url + "/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 200, "seed": seed,
+                                                                 "response_format": {"type": "json_object"}})  # fmt: skip
+            assert status == 200, answer
+            choice = answer["choices"][0]
+            assert choice["message"]["content"].startswith("{"), answer
+            if choice["finish_reason"] == "stop":
+                assert isinstance(json.loads(choice["message"]["content"]), dict), answer
+                finished += 1
+        assert finished, "no json_object answer ended within 200 tokens"
