@@ -253,8 +253,8 @@ class Model(MediaMixin):
         ``images`` go with one image placeholder each in ``prompt`` (see ``prompt()``). Every chunk
         carries the stats (``stats``, filled in, if given); after the last one
         ``stats.finish_reason`` says why the answer ended (``"length"`` also when the context is full).
-        ``draft`` (a loaded gemma4_assistant, or any zoo model with this tokenizer, or a drafter from
-        ``models.generation.speculative.make_drafter``) turns on speculative decoding with
+        ``draft`` (a loaded gemma4_assistant, or any zoo model with this tokenizer, ``"prompt-lookup"``
+        for drafts copied from the prompt, or a drafter from ``models.generation.speculative.make_drafter``) turns on speculative decoding with
         ``num_draft_tokens`` drafts per target step; ``stats.speculation`` then counts acceptance.
         ``schema`` (a JSON schema) or ``grammar`` (``models.generation.constraints.Grammar``: a schema,
         regex or Lark/GBNF grammar) constrains the answer to match it (``GrammarError`` when it

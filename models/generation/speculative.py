@@ -34,6 +34,7 @@ from models.generation.generate import (
     DEFAULT_PREFILL_STEP, GenerationOptionError, GenerationStats, KVQuantization, SamplingOptions, check_context,
     check_positive_int, filter_logprobs, prefill,
 )  # fmt: skip
+from models.generation.prompt_lookup import PromptLookupDrafter
 from models.generation.prompts import ImageSpan
 from zoo_cpu import fast_math
 
@@ -197,7 +198,12 @@ def check_same_tokenizer(draft, target) -> None:
 
 
 def make_drafter(draft, target):
-    """The drafter for a loaded ``draft`` model: an ``AssistantDrafter`` for a gemma4_assistant, else a ``ModelDrafter``."""
+    """The drafter for a loaded ``draft`` model: an ``AssistantDrafter`` for a gemma4_assistant, else a
+    ``ModelDrafter``; ``"prompt-lookup"`` drafts from the conversation itself (``models.generation.prompt_lookup``)."""
+    if isinstance(draft, str):
+        if draft != "prompt-lookup":
+            raise DrafterMismatchError(f"draft={draft!r}: the one drafter named by a string is 'prompt-lookup'")
+        return PromptLookupDrafter(target.vocab_size)
     if hasattr(draft, "propose"):  # already a drafter (start / propose / settle / rollback)
         return draft
     if isinstance(getattr(draft, "graph", draft), Gemma4AssistantModel):
