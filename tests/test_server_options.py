@@ -202,9 +202,9 @@ def test_guided_regex_and_grammar(model, url):
     ({"guided_grammar": "start: foo"}, ["guided_grammar", 'unknown name: "foo"']),
     ({"response_format": {"type": "json_schema"}}, ["json_schema goes with type"]),
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, ["guided_regex and response_format", "send one"]),
-    ({"tool_choice": "required"}, ["tool_choice 'required' or a named function needs tools"]),
+    ({"tool_choice": "required"}, ["tool_choice: 'required' or a named function needs tools"]),
     ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {"name": "g"}}},
-     ["tool_choice names 'g'"]),
+     ["tool_choice: names 'g'"]),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"$ref": "#/x"}}}}}],
       "tool_choice": "required"}, ["tools: f.parameters.properties.a: the keyword '$ref'"]),
 ])  # fmt: skip

@@ -152,7 +152,7 @@ class BatchGenerator:
         if request.stop_ids is not None:
             id_list(list(request.stop_ids), self.model.vocab_size, "BatchRequest.stop_ids")
         if request.grammar is not None:
-            self._constraint(request)  # a grammar that cannot compile is refused now
+            self._constraint(request)  # a grammar that cannot compile is refused now (on the generator's thread)
         has_media = bool(request.images or request.audio or request.videos)
         if isinstance(request.prompt, Prompt):
             if has_media:

@@ -99,9 +99,11 @@ class Grammar:
                 raise GrammarError(f"the GBNF grammar does not parse: {err}") from None
         return ll.grammar_from_lark(self.source)
 
-    def compile(self, tokenizer, vocab_size: int, stop_ids: Iterable[int]) -> "Constraint":
-        """A fresh ``Constraint`` over ``tokenizer``'s ids below ``vocab_size``; ``GrammarError`` naming
-        what llguidance cannot compile (an unimplemented schema keyword, a bad regex or rule)."""
+    def check(self, tokenizer, vocab_size: int, stop_ids: Iterable[int]) -> tuple:
+        """``(llguidance tokenizer, grammar text, sorted stop ids)`` once the grammar compiles over
+        ``tokenizer``'s ids below ``vocab_size``; ``GrammarError`` naming what llguidance cannot
+        compile (an unimplemented schema keyword, a bad regex or rule). Touches no MLX state, so
+        any thread may call it."""
         stops = sorted(stop_ids)
         if not stops:
             raise GrammarError("constrained decoding needs at least one stop id to end a complete answer")
@@ -110,6 +112,11 @@ class Grammar:
         failed, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(text, lltokenizer)
         if failed:
             raise GrammarError(f"the {self.kind.replace('_', ' ')} cannot be compiled: {messages[0]}")
+        return lltokenizer, text, stops
+
+    def compile(self, tokenizer, vocab_size: int, stop_ids: Iterable[int]) -> "Constraint":
+        """A fresh ``Constraint`` (``check`` first)."""
+        lltokenizer, text, stops = self.check(tokenizer, vocab_size, stop_ids)
         return Constraint(_llguidance().LLMatcher(lltokenizer, text), vocab_size, stops)
 
 
@@ -123,7 +130,6 @@ class Constraint:
         self.stop_ids = stop_ids
         self.eos = stop_ids[0]  # llguidance's end-of-answer token: allowed once the grammar is complete
         self._words = np.zeros((vocab_size + 31) // 32, dtype=np.int32)
-        self._shifts = mx.arange(32, dtype=mx.int32)
 
     def allowed(self) -> np.ndarray:
         """The next token's mask as 32-bit words (bit ``i % 32`` of word ``i // 32``: id ``i``); the
@@ -142,7 +148,7 @@ class Constraint:
     def mask(self, logits: mx.array) -> mx.array:
         mx.async_eval(logits)  # the forward runs while the host computes the mask
         words = mx.array(self.allowed())
-        bits = ((words[:, None] >> self._shifts) & 1).reshape(-1)[: logits.shape[-1]]
+        bits = ((words[:, None] >> mx.arange(32, dtype=mx.int32)) & 1).reshape(-1)[: logits.shape[-1]]
         return mx.where(bits.astype(mx.bool_), logits, -float("inf"))
 
     def advance(self, token: int) -> None:

@@ -256,7 +256,7 @@ class Server:
         """Compile ``grammar`` once (a worker thread: the first compile builds llguidance's view of
         the vocabulary), so that one it cannot compile is a 400 naming the option."""
         try:
-            grammar.compile(self.model.tokenizer, self.model.vocab_size, self.model.stop_ids)
+            grammar.check(self.model.tokenizer, self.model.vocab_size, self.model.stop_ids)
         except GrammarError as err:
             raise APIError(400, f"{param}: {err}", param) from None
 

@@ -226,13 +226,18 @@ class ChatRequest(Sampling):
             raise ValueError("max_tokens and max_completion_tokens disagree; send one")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
-        forced = self.tool_choice not in (None, "auto", "none")
-        if forced and not self.tools:
-            raise ValueError("tool_choice 'required' or a named function needs tools")
-        names = [tool.function.name for tool in self.tools or []]
-        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
-            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among the tools {names}")
         return self
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _forced_tool(cls, choice, info):
+        tools = info.data.get("tools")
+        if choice not in (None, "auto", "none") and not tools:
+            raise ValueError("'required' or a named function needs tools")
+        names = [tool.function.name for tool in tools or []]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"names {choice.function.name!r}, which is not among the tools {names}")
+        return choice
 
     @property
     def top_count(self) -> int | None:
