@@ -91,6 +91,7 @@ def main(argv=None) -> int:
         from models.generation.prefix_store import PrefixStore
         from models.serving.app import ServerSettings, make_app
         from models.serving.engine import Engine
+        from models.serving.guard import LOOPBACK_HOSTS
         from models.serving.media import MediaPolicy
     except ImportError as err:
         print(f"error: the server needs its extra ({err.name} is missing): pip install -e \".[server]\"", file=sys.stderr)
@@ -99,6 +100,8 @@ def main(argv=None) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    if args.api_key is None and args.host not in LOOPBACK_HOSTS:
+        print(f"warning: --host {args.host} without --api-key: anyone who can reach this port can use the model", file=sys.stderr)
     try:
         media = MediaPolicy(tuple(args.allowed_media_dir), args.allow_network_media)
     except ValueError as err:

@@ -12,6 +12,7 @@ from graphs.decode_step import CompiledDecode
 
 from models.checks import check_token_ids, id_array, id_list, no_tokenizer_error
 from models.generation.batch import BatchGenerator, BatchRequest
+from models.generation.constraints import Grammar
 from models.generation.generate import (
     DEFAULT_PREFILL_STEP, GenerationStats, KVQuantization, SamplingOptions, check_context, generate_tokens, resolve_sampling,
 )  # fmt: skip
@@ -237,6 +238,8 @@ class Model(MediaMixin):
         stats: GenerationStats | None = None,
         draft=None,
         num_draft_tokens: int = 4,
+        schema: dict | str | None = None,
+        grammar: Grammar | None = None,
         **sampling_options,
     ) -> Iterator[Chunk]:
         """Stream text as it is generated; no chunk ever splits a multi-byte character.
@@ -250,9 +253,12 @@ class Model(MediaMixin):
         ``images`` go with one image placeholder each in ``prompt`` (see ``prompt()``). Every chunk
         carries the stats (``stats``, filled in, if given); after the last one
         ``stats.finish_reason`` says why the answer ended (``"length"`` also when the context is full).
-        ``draft`` (a loaded gemma4_assistant, or any zoo model with this tokenizer, or a drafter from
-        ``models.generation.speculative.make_drafter``) turns on speculative decoding with
+        ``draft`` (a loaded gemma4_assistant, or any zoo model with this tokenizer, ``"prompt-lookup"``
+        for drafts copied from the prompt, or a drafter from ``models.generation.speculative.make_drafter``) turns on speculative decoding with
         ``num_draft_tokens`` drafts per target step; ``stats.speculation`` then counts acceptance.
+        ``schema`` (a JSON schema) or ``grammar`` (``models.generation.constraints.Grammar``: a schema,
+        regex or Lark/GBNF grammar) constrains the answer to match it (``GrammarError`` when it
+        cannot be compiled).
         """
         if not isinstance(prompt, Prompt):
             prompt = self.prompt(prompt, images, max_soft_tokens, audio=audio, videos=videos)
@@ -261,6 +267,17 @@ class Model(MediaMixin):
         check_token_ids(prompt.ids, self.vocab_size, "Model.stream")
         if kv_quantization is not None:
             kv_quantization.check_model(self.config, str(self.path))
+        if schema is not None:
+            if grammar is not None:
+                raise ValueError("stream: pass either schema or grammar, not both")
+            grammar = Grammar("json_schema", schema)
+        constraint = None
+        if grammar is not None:
+            if draft is not None:
+                raise ValueError("stream: constrained decoding (schema, grammar) does not run with a draft model")
+            if self.tokenizer is None:
+                raise no_tokenizer_error(self.path, "constrained decoding (the grammar is matched against token texts)")
+            constraint = grammar.compile(self.tokenizer, self.vocab_size, self.stop_ids)
         cache = self.make_cache() if cache is None else cache
         stats = GenerationStats() if stats is None else stats
         detokenizer = self.tokenizer.detokenizer if self.tokenizer is not None else _NoText()  # ids, empty text
@@ -278,7 +295,7 @@ class Model(MediaMixin):
             tokens = speculative_tokens(self, drafter, prompt.ids, cache, num_draft_tokens=num_draft_tokens, **loop)
         else:
             overlap = self.plan is not None and self.plan.overlap  # the next step queued before a token is read
-            tokens = generate_tokens(self._forward, prompt.ids, cache, overlap=overlap, **loop)
+            tokens = generate_tokens(self._forward, prompt.ids, cache, overlap=overlap, constraint=constraint, **loop)
         for token in tokens:
             detokenizer.add_token(token)
             yield Chunk(detokenizer.last_segment, token, stats)

@@ -203,7 +203,7 @@ def test_the_server_samples_as_the_checkpoint_says(model, folder):
         assert complete(url, temperature=0) == greedy
         penalized = complete(url, temperature=0, repetition_penalty=3.0)
         assert penalized == model.generate(PROMPT, max_tokens=12, temp=0, repetition_penalty=3.0)
-        for field, value in (("repetition_penalty", 0), ("presence_penalty", 0.5)):
+        for field, value in (("repetition_penalty", 0), ("presence_penalty", 2.5)):
             status, body = http(url + "/v1/completions", {"model": "tiny", "prompt": PROMPT, field: value})
             assert status == 400 and body["error"]["param"] == field, body
     with running_server(model, temperature=0.0) as url:  # the server's --temp 0

@@ -209,8 +209,13 @@ def raw(client, path: str, body: bytes | dict) -> tuple[int, dict]:
     ({"model": "tiny", "messages": USER, "temperature": "hot"}, 400, ["temperature"]),
     ({"model": "tiny", "messages": USER, "max_tokens": 0}, 400, ["max_tokens"]),
     ({"model": "tiny", "messages": USER, "frobnicate": 1}, 400, ["unknown field 'frobnicate'"]),
-    ({"model": "tiny", "messages": USER, "n": 2}, 400, ["n"]),
-    ({"model": "tiny", "messages": USER, "presence_penalty": 0.5}, 400, ["presence_penalty"]),
+    ({"model": "tiny", "messages": USER, "n": 0}, 400, ["n"]),
+    ({"model": "tiny", "messages": USER, "n": 9}, 400, ["n: 9 choices", "--max-batch"]),
+    ({"model": "tiny", "messages": USER, "presence_penalty": 2.5}, 400, ["presence_penalty"]),
+    ({"model": "tiny", "messages": USER, "logit_bias": {"x": 1}}, 400, ["logit_bias", "token ids"]),
+    ({"model": "tiny", "messages": USER, "logit_bias": {"262144": 1}}, 400, ["logit_bias: token id 262144"]),
+    ({"model": "tiny", "messages": USER, "top_logprobs": 2}, 400, ["top_logprobs needs logprobs"]),
+    ({"model": "tiny", "messages": USER, "logprobs": True, "top_logprobs": 21}, 400, ["top_logprobs"]),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, ["messages[0].role"]),
     ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "txt": "hi"}]}]}, 400, ["messages[0].content[0]"]),
     ({"model": "other", "messages": USER}, 404, ["'other'"]),
@@ -487,6 +492,15 @@ def test_bad_flags_are_refused_before_loading(flags, words, capsys):
 
     assert serve.main(["--model", "/no/such/model", *flags]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_a_public_host_without_a_key_is_warned_about(capsys):
+    from examples import serve
+
+    refused = ["--model", "/no/such/model", "--allowed-media-dir", "/no/such/folder"]  # stops after the access checks
+    for flags, warned in ((["--host", "0.0.0.0"], True), (["--host", "0.0.0.0", "--api-key", "k"], False), ([], False)):
+        assert serve.main([*refused, *flags]) == 2
+        assert ("--host 0.0.0.0 without --api-key" in capsys.readouterr().err) == warned, flags
 
 
 def test_a_top_k_past_the_vocabulary_breaks_no_later_request(random_model):

@@ -5,7 +5,9 @@ switches to 8-bit storage mid-request, with a prefix store.
 Every answer must equal that request's single-request greedy output (``Model.generate`` with the
 same KV quantization and prefill chunks); no request may be lost or answered twice; clients that hang up mid-stream
 must leave the server serving the rest; and when it is over, no row, ticket or queue entry is left
-and the process's memory has stopped growing.
+and the process's memory has stopped growing. Among the requests, some are penalised (presence,
+frequency, logit bias), some constrained to a JSON schema and some ask for two choices: each still
+equals its lone ``Model.generate`` with the same options.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 import models  # noqa: E402
-from models.generation.generate import KVQuantization  # noqa: E402
+from models.generation.generate import KVQuantization, SamplingOptions  # noqa: E402
+from tests.json_schemas import SCHEMAS  # noqa: E402
 from tests.server_tiny import http, running_server, save_random_chat  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 CLIENTS, REQUESTS = 32, 10
+PENALTIES = {"presence_penalty": -1.5, "frequency_penalty": 0.5, "logit_bias": {"236772": 5.0}}
 KV = dict(bits=8, group_size=32, start=16)
 STEP = 7  # prefill chunk: prompts of 3-45 tokens are prefilled in several chunks
 
@@ -49,8 +53,21 @@ def test_soak(model):
     # Mixed lengths (3-45 prompt tokens, 2-20 answer tokens); prompts share prefixes so the store is hit.
     cases = [(base[: rng.randint(3, len(base))] + [rng.randrange(1000, 200000) for _ in range(rng.randint(0, 30))], rng.randint(2, 20))
              for _ in range(24)]  # fmt: skip
-    # Alone: the same prefill chunks (where the cache switches to 8 bits depends on them) and KV settings.
-    expected = [model.generate(ids, max_tokens=n, kv_quantization=KVQuantization(**KV), prefill_step_size=STEP) for ids, n in cases]
+    # Every fourth case penalised, every fourth constrained to a schema, every fourth asks for two choices.
+    extras = [{}, dict(PENALTIES), {"guided_json": SCHEMAS["enum_colour"][0]}, {"n": 2}] * 6
+    cases = [(ids, 40 if "guided_json" in extra else n) for (ids, n), extra in zip(cases, extras)]
+
+    def alone(ids, n, extra) -> str:
+        """The same prefill chunks (where the cache switches to 8 bits depends on them) and KV settings."""
+        options = {}
+        if "presence_penalty" in extra:
+            bias = {int(k): v for k, v in extra["logit_bias"].items()}
+            options["sampling"] = SamplingOptions(presence_penalty=extra["presence_penalty"], frequency_penalty=extra["frequency_penalty"],
+                                                  logit_bias=bias)  # fmt: skip
+        return model.generate(ids, max_tokens=n, kv_quantization=KVQuantization(**KV), prefill_step_size=STEP,
+                              schema=extra.get("guided_json"), **options)  # fmt: skip
+
+    expected = [alone(ids, n, extra) for (ids, n), extra in zip(cases, extras)]
 
     store = PrefixStore(64 << 20)
     answers: dict[tuple[int, int], str] = {}
@@ -64,12 +81,19 @@ def test_soak(model):
             for round_ in range(REQUESTS):
                 case = local.randrange(len(cases))
                 ids, n = cases[case]
+                extra = extras[case]
                 try:
                     if local.random() < 0.5:
-                        text = api.completions.create(model="tiny", prompt=ids, max_tokens=n).choices[0].text
+                        texts = [c.text for c in api.completions.create(model="tiny", prompt=ids, max_tokens=n, extra_body=extra).choices]
                     else:
-                        stream = api.completions.create(model="tiny", prompt=ids, max_tokens=n, stream=True)
-                        text = "".join(c.choices[0].text for c in stream if c.choices)
+                        stream = api.completions.create(model="tiny", prompt=ids, max_tokens=n, stream=True, extra_body=extra)
+                        texts = [""] * extra.get("n", 1)
+                        for chunk in stream:
+                            for choice in chunk.choices:
+                                texts[choice.index] += choice.text
+                    text = texts[0]
+                    if len(set(texts)) != 1 or len(texts) != extra.get("n", 1):
+                        failures.append(f"client {index} round {round_} case {case}: choices {texts!r}")
                 except Exception as err:  # recorded, so one failure does not hide the others
                     failures.append(f"client {index} round {round_}: {err!r}")
                     continue

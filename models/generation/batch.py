@@ -9,6 +9,12 @@ each row attends only its own positions) and samples each row with its own optio
 others go on undisturbed. Each request keeps its own layer caches, so a request produces exactly
 the tokens it produces alone, whichever requests run beside it.
 
+A request for ``n`` choices is prefilled once; each choice is a row of its own with a copy of the
+prefilled caches and its own sampler, choice ``i`` seeded with ``seed + i`` (as vLLM seeds its
+parallel samples), so each choice is what a lone request with that seed gives. A request that asks
+for ``logprobs`` gets each token's log-probability (and the ``logprobs`` most likely tokens) under
+its processed distribution (``models.generation.processors``).
+
 Like ``generate_tokens``: every token a request reports is fed to its cache before the next one is
 sampled, a stop id ends the request unfed, and after ``max_tokens`` tokens the request ends with
 ``"stop"`` when the next token would have been a stop id, ``"length"`` otherwise.
@@ -19,6 +25,7 @@ through a queue). DiffusionGemma denoises whole blocks, not tokens: its requests
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,13 +39,19 @@ from models.checks import id_list
 from models.generation.generate import (
     DEFAULT_PREFILL_STEP, KVQuantization, SamplingOptions, TokenSampler, check_context, check_positive_int, prefill,
 )  # fmt: skip
+from models.generation.constraints import Grammar
+from models.generation.processors import TokenLogprob, check_logit_bias, token_logprob
+from models.generation.prompt_cache import caches_from_layer_states, layer_states
 from models.generation.prompts import Prompt
 
 
 @dataclass
 class BatchRequest:
     """One conversation to continue: ``prompt`` as text, ids or a ready ``Prompt``; ``images``,
-    ``audio`` and ``videos`` go with their placeholders in a text or id prompt (``Model.prompt``)."""
+    ``audio`` and ``videos`` go with their placeholders in a text or id prompt (``Model.prompt``).
+    ``n`` choices share the prompt; ``logprobs`` (None: none) is how many most likely tokens to
+    report beside each generated token's own log-probability; ``grammar`` constrains each choice
+    (``models.generation.constraints``; checked at submit, one parser state per choice)."""
 
     prompt: str | Sequence[int] | Prompt
     max_tokens: int = 256
@@ -48,13 +61,17 @@ class BatchRequest:
     audio: Sequence = ()
     videos: Sequence = ()
     max_soft_tokens: int | None = None
+    n: int = 1
+    logprobs: int | None = None
+    grammar: Grammar | None = None
 
 
 @dataclass
 class BatchEvent:
     """What one request did in one step. ``token`` is None on a final event that brings no token;
     ``finish_reason`` is None while the request runs, then ``"stop"``, ``"length"``,
-    ``"cancelled"`` or ``"error"`` (``error`` then says why, e.g. an image that fails to encode)."""
+    ``"cancelled"`` or ``"error"`` (``error`` then says why, e.g. an image that fails to encode).
+    ``choice`` is the event's choice of an ``n``-choice request; ``logprob`` the token's, when asked."""
 
     request_id: int
     token: int | None
@@ -63,17 +80,21 @@ class BatchEvent:
     generated_tokens: int
     reused_tokens: int = 0
     error: str | None = None
+    choice: int = 0
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(eq=False)
 class _Row:
     request_id: int
+    choice: int
     prompt: Prompt
     cache: list
     sample: TokenSampler
     stop_ids: frozenset
     max_tokens: int
     reused: int
+    top_logprobs: int | None
     generated: int = 0
     token: int | None = None  # sampled, not yet fed
 
@@ -110,7 +131,7 @@ class BatchGenerator:
         self._ids = itertools.count()
         self._waiting: deque[tuple[int, BatchRequest]] = deque()
         self._running: list[_Row] = []
-        self._cancelled: set[int] = set()
+        self._cancelled: set[tuple[int, int | None]] = set()  # (request id, choice or None: every choice)
 
     # ------------------------------------------------------------------------------ requests
     def submit(self, request: BatchRequest) -> int:
@@ -122,8 +143,16 @@ class BatchGenerator:
         if not isinstance(request.sampling, SamplingOptions):
             raise TypeError(f"submit: sampling must be SamplingOptions, got {type(request.sampling).__name__}")
         request.sampling.check()
+        check_logit_bias(request.sampling, self.model.vocab_size)
+        check_positive_int("n", request.n)
+        if request.n > self.max_batch:
+            raise ValueError(f"submit: n={request.n} choices need {request.n} rows at once; max_batch is {self.max_batch}")
+        if request.logprobs is not None and (not isinstance(request.logprobs, int) or request.logprobs < 0):
+            raise ValueError(f"submit: logprobs must be a whole number >= 0 (or None), got {request.logprobs!r}")
         if request.stop_ids is not None:
             id_list(list(request.stop_ids), self.model.vocab_size, "BatchRequest.stop_ids")
+        if request.grammar is not None:
+            self._constraint(request)  # a grammar that cannot compile is refused now (on the generator's thread)
         has_media = bool(request.images or request.audio or request.videos)
         if isinstance(request.prompt, Prompt):
             if has_media:
@@ -138,12 +167,14 @@ class BatchGenerator:
         self._waiting.append((request_id, request))
         return request_id
 
-    def cancel(self, request_id: int) -> bool:
-        """Ask to end a waiting or running request; it leaves at the next ``step`` (with a
-        ``"cancelled"`` event). False when no such request is queued or running."""
-        known = any(rid == request_id for rid, _ in self._waiting) or any(r.request_id == request_id for r in self._running)
+    def cancel(self, request_id: int, choice: int | None = None) -> bool:
+        """Ask to end a waiting or running request (``choice``: only that choice of a running one); it
+        leaves at the next ``step`` (with a ``"cancelled"`` event). False when no such request is
+        queued or running."""
+        known = any(rid == request_id for rid, _ in self._waiting) or any(
+            r.request_id == request_id and choice in (None, r.choice) for r in self._running)  # fmt: skip
         if known:
-            self._cancelled.add(request_id)
+            self._cancelled.add((request_id, choice))
         return known
 
     @property
@@ -164,16 +195,18 @@ class BatchGenerator:
         and given its first token), then feed every other running row one token in one forward."""
         events = self._drop_cancelled()
         admitted = []
-        while self._waiting and len(self._running) < self.max_batch:
+        while self._waiting and len(self._running) + self._waiting[0][1].n <= self.max_batch:
             request_id, request = self._waiting.popleft()
             try:
-                row, logits = self._admit(request_id, request)
+                rows, logits = self._admit(request_id, request)
             except (ValueError, TypeError, OSError) as error:
                 events.append(BatchEvent(request_id, None, "error", 0, 0, error=f"{type(error).__name__}: {error}"))
                 continue
-            self._running.append(row)
-            admitted.append(row)
-            events.append(self._take(row, row.sample(logits[None])))
+            self._running.extend(rows)
+            admitted.extend(rows)
+            tokens = [row.sample(logits[None]) for row in rows]
+            mx.eval(tokens)
+            events.extend(self._take(row, token) for row, token in zip(rows, tokens))
         decoding = [row for row in self._running if row not in admitted]
         if decoding:
             events.extend(self._decode(decoding))
@@ -185,17 +218,17 @@ class BatchGenerator:
             return []
         events = []
         for request_id, request in list(self._waiting):
-            if request_id in self._cancelled:
+            if (request_id, None) in self._cancelled:
                 self._waiting.remove((request_id, request))
-                events.append(BatchEvent(request_id, None, "cancelled", 0, 0))
+                events.extend(BatchEvent(request_id, None, "cancelled", 0, 0, choice=i) for i in range(request.n))
         for row in list(self._running):
-            if row.request_id in self._cancelled:
+            if {(row.request_id, None), (row.request_id, row.choice)} & self._cancelled:
                 self._running.remove(row)
-                events.append(BatchEvent(row.request_id, None, "cancelled", len(row.prompt), row.generated, row.reused))
+                events.append(BatchEvent(row.request_id, None, "cancelled", len(row.prompt), row.generated, row.reused, choice=row.choice))
         self._cancelled.clear()
         return events
 
-    def _admit(self, request_id: int, request: BatchRequest) -> tuple[_Row, mx.array]:
+    def _admit(self, request_id: int, request: BatchRequest) -> tuple[list[_Row], mx.array]:
         model = self.model
         prompt = request.prompt
         if not isinstance(prompt, Prompt):
@@ -213,8 +246,22 @@ class BatchGenerator:
             logits = prefill(model._forward, prompt.ids, cache, self.prefill_step_size, prompt.images, self.kv_quantization)
             reused = 0
         stop_ids = frozenset(model.stop_ids if request.stop_ids is None else request.stop_ids)
-        row = _Row(request_id, prompt, cache, TokenSampler(request.sampling, prompt.ids), stop_ids, request.max_tokens, reused)
-        return row, logits
+        rows = []
+        for choice in range(request.n):
+            sampling = request.sampling
+            if choice and sampling.seed is not None:
+                sampling = dataclasses.replace(sampling, seed=sampling.seed + choice)
+            constraint = None if request.grammar is None else self._constraint(request)
+            sampler = TokenSampler(sampling, prompt.ids, constraint=constraint, keep_logprobs=request.logprobs is not None)
+            own = cache if choice == request.n - 1 else caches_from_layer_states(layer_states(cache))
+            rows.append(_Row(request_id, choice, prompt, own, sampler, stop_ids, request.max_tokens, reused, request.logprobs))
+        return rows, logits
+
+    def _constraint(self, request: BatchRequest):
+        if self.model.tokenizer is None:
+            raise ValueError("submit: a grammar needs the model's tokenizer (it is matched against token texts)")
+        stop_ids = self.model.stop_ids if request.stop_ids is None else request.stop_ids
+        return request.grammar.compile(self.model.tokenizer, self.model.vocab_size, stop_ids)
 
     def _decode(self, rows: list[_Row]) -> list[BatchEvent]:
         ids = mx.array([[row.token] for row in rows])
@@ -231,6 +278,7 @@ class BatchGenerator:
     def _take(self, row: _Row, token: mx.array) -> BatchEvent:
         """Record ``row``'s newly sampled token and say what it means for the request."""
         token = int(token.item())
+        logprob = None if row.top_logprobs is None else token_logprob(row.sample.logprobs, token, row.top_logprobs)
         done = None
         if token in row.stop_ids:
             done = "stop"
@@ -242,7 +290,8 @@ class BatchGenerator:
             if max_context is not None and cache_offset(row.cache) >= max_context:
                 done = "length"  # the context has no position left to feed this token
         row.token = None if done else token
-        return BatchEvent(row.request_id, token, done, len(row.prompt), row.generated, row.reused)
+        return BatchEvent(row.request_id, token, done, len(row.prompt), row.generated, row.reused, choice=row.choice,
+                          logprob=logprob if token is not None else None)  # fmt: skip
 
     def _check_fits(self, prompt: Prompt) -> None:
         if not len(prompt):
@@ -250,14 +299,16 @@ class BatchGenerator:
         check_context([], len(prompt), self.model.max_context)  # a request starts from empty caches
 
     def run(self, requests: Sequence[BatchRequest]) -> list[list[int]]:
-        """Submit ``requests``, step until they all end, and return each one's generated ids (stop
-        ids left out). A request that fails raises ``ValueError`` with its error."""
+        """Submit ``requests``, step until they all end, and return the generated ids (stop ids left
+        out) of each request's choices in order: one list per request of one choice, ``n`` lists
+        for a request of ``n``. A request that fails raises ``ValueError`` with its error."""
         ids = [self.submit(request) for request in requests]
-        tokens: dict[int, list[int]] = {i: [] for i in ids}
+        keys = [(i, choice) for i, request in zip(ids, requests) for choice in range(request.n)]
+        tokens: dict[tuple[int, int], list[int]] = {key: [] for key in keys}
         while self.busy:
             for event in self.step():
                 if event.finish_reason == "error":
                     raise ValueError(f"request {ids.index(event.request_id)}: {event.error}")
                 if event.token is not None and event.finish_reason != "stop":
-                    tokens[event.request_id].append(event.token)
-        return [tokens[i] for i in ids]
+                    tokens[event.request_id, event.choice].append(event.token)
+        return [tokens[key] for key in keys]

@@ -21,19 +21,18 @@ import secrets
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_logits_processors
 
 from cache import cache_offset, quantize_caches, trim_cache
+from models.generation.processors import REPETITION_CONTEXT, logits_processors
 from models.generation.prompts import ImageSpan, prefill_chunks
 from zoo_cpu import fast_math
 
 DEFAULT_PREFILL_STEP = 512
 KV_BITS = (2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
-REPETITION_CONTEXT = 20  # tokens a repetition penalty looks back over (mlx-lm's repetition_context_size default)
 
 
 class GenerationOptionError(ValueError):
@@ -122,6 +121,9 @@ class SamplingOptions:
     min_p: float = 0.0
     seed: int | None = None
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         self.check()
@@ -144,6 +146,15 @@ class SamplingOptions:
         ):  # fmt: skip
             if not ok:
                 raise GenerationOptionError(name, value, requirement)
+        for name in ("presence_penalty", "frequency_penalty"):  # OpenAI's range
+            value = getattr(self, name)
+            if not (_is_real(value) and -2 <= value <= 2):
+                raise GenerationOptionError(name, value, "must be a number in [-2, 2] (0 switches it off)")
+        bias = self.logit_bias
+        if bias is not None and not (isinstance(bias, dict) and all(
+            _is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100 for t, b in bias.items()
+        )):  # fmt: skip
+            raise GenerationOptionError("logit_bias", bias, "must map token ids (>= 0) to numbers in [-100, 100]")
 
 
 # SamplingOptions field -> generation_config.json key (transformers' GenerationConfig names).
@@ -236,10 +247,12 @@ def filter_logprobs(logprobs: mx.array, options: SamplingOptions) -> mx.array:
 
 class TokenSampler:
     """Picks one conversation's next token from its logits: the argmax at ``temp == 0``, otherwise
-    mlx-lm's top-p, min-p and top-k filters (``filter_logprobs``) and a categorical draw; a
-    repetition penalty (mlx-lm's logits processor over the last ``REPETITION_CONTEXT`` tokens of
-    ``context``, the prompt, and the tokens drawn since) comes first, greedy or not, as in
-    transformers.
+    mlx-lm's top-p, min-p and top-k filters (``filter_logprobs``) and a categorical draw. The
+    request's logits processors (``models.generation.processors``: logit bias, repetition, presence
+    and frequency penalties over the last ``REPETITION_CONTEXT`` tokens of ``context``, the prompt,
+    and the tokens drawn since) come first, greedy or not, then the ``constraint``'s mask (a
+    grammar, ``models.generation.constraints``). With ``keep_logprobs`` the normalised
+    log-probabilities of that processed distribution are kept in ``logprobs`` after each call.
 
     mlx-lm's ``make_sampler`` draws from MLX's global random state, which the rows of a batch would
     share (a row's tokens would depend on its neighbours and on the order rows are sampled in), and
@@ -247,28 +260,37 @@ class TokenSampler:
     its own, made from ``seed`` (or from the operating system's randomness when there is none), so a
     request samples the same tokens alone or in any batch, and nothing is shared between requests."""
 
-    def __init__(self, options: SamplingOptions, context: Sequence[int] = ()):
+    def __init__(self, options: SamplingOptions, context: Sequence[int] = (), *, constraint=None, keep_logprobs: bool = False):
         options.check()
         self.options = options
         seed = options.seed if options.seed is not None else secrets.randbits(63)
         self.key = mx.random.key(seed)
-        penalty = options.repetition_penalty
-        self.processors = [] if penalty == 1 else make_logits_processors(repetition_penalty=penalty,
-                                                                         repetition_context_size=REPETITION_CONTEXT)  # fmt: skip
+        self.processors = logits_processors(options)
         self.recent = mx.array(list(context)[-REPETITION_CONTEXT:], dtype=mx.uint32)
+        self.constraint = constraint
+        self.keep_logprobs = keep_logprobs
+        self.logprobs: mx.array | None = None
+        self._drawn: mx.array | None = None  # the last token, told to the constraint at the next call
 
     def __call__(self, logits: mx.array) -> mx.array:
-        """The next token of logits ``[1, V]`` (shape ``[1]``), not evaluated."""
+        """The next token of logits ``[1, V]`` (shape ``[1]``), not evaluated (but for the previous
+        token, which a constraint must know before it masks the next)."""
         for process in self.processors:
             logits = process(self.recent, logits)
+        if self.constraint is not None:
+            if self._drawn is not None:
+                self.constraint.advance(int(self._drawn.item()))
+            logits = self.constraint.mask(logits)
+        logprobs = fast_math.log_softmax(logits) if self.keep_logprobs or self.options.temp != 0 else None
+        self.logprobs = logprobs if self.keep_logprobs else None
         if self.options.temp == 0:  # greedy: the argmax needs no normalising
             token = mx.argmax(logits, axis=-1)
         else:
-            logprobs = filter_logprobs(fast_math.log_softmax(logits), self.options)  # the filters take log-probabilities
             self.key, draw = mx.random.split(self.key)
-            token = mx.random.categorical(logprobs * (1.0 / self.options.temp), key=draw)
+            token = mx.random.categorical(filter_logprobs(logprobs, self.options) * (1.0 / self.options.temp), key=draw)
         if self.processors:
             self.recent = mx.concatenate([self.recent, token.astype(mx.uint32)])[-REPETITION_CONTEXT:]
+        self._drawn = token
         return token
 
 
@@ -350,7 +372,7 @@ class LoopOptions:
     leaves its chunks in the cache (a caller that keeps the cache rolls it back). ``images`` are the
     image spans of the prompt (see ``prefill``); ``kv_quantization`` switches the caches to quantized
     storage once they hold enough positions. ``stats`` is filled in. A stop id ends the stream
-    unyielded and unfed."""
+    unyielded and unfed. ``constraint`` masks every step to what its grammar allows."""
 
     sampling: SamplingOptions | None = None
     max_tokens: int = 256
@@ -361,6 +383,7 @@ class LoopOptions:
     images: Sequence[ImageSpan] = ()
     kv_quantization: KVQuantization | None = None
     max_context: int | None = None
+    constraint: Any = None  # a models.generation.constraints constraint: every step masked to what its grammar allows
 
 
 class TokenLoop:
@@ -377,6 +400,7 @@ class TokenLoop:
         self.should_stop = options.should_stop
         self.stats = options.stats if options.stats is not None else GenerationStats()
         self.images, self.kv_quantization, self.max_context = options.images, options.kv_quantization, options.max_context
+        self.constraint = options.constraint
         self.offset = check_context(cache, len(prompt_ids), self.max_context)
         self.clock = time.perf_counter()
 
@@ -449,7 +473,7 @@ def generate_tokens(forward, prompt_ids: Sequence[int], cache, *, overlap: bool 
     queued step is trimmed off), so a chat's cache holds exactly the prompt and the answer.
     """
     loop = TokenLoop(prompt_ids, cache, LoopOptions(**options))
-    sample = TokenSampler(loop.sampling, prompt_ids)
+    sample = TokenSampler(loop.sampling, prompt_ids, constraint=loop.constraint)
 
     def step(y: mx.array) -> mx.array:
         return sample(forward(y.reshape(1, 1), cache, last_only=True)[:, -1])

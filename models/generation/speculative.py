@@ -32,6 +32,7 @@ from graphs.gemma4_assistant_config import DrafterMismatchError
 from models.generation.generate import (
     DEFAULT_PREFILL_STEP, GenerationOptionError, LoopOptions, SamplingOptions, TokenLoop, check_positive_int, filter_logprobs,
 )  # fmt: skip
+from models.generation.prompt_lookup import PromptLookupDrafter
 from zoo_cpu import fast_math
 
 MAX_DRAFT_TOKENS = 16  # a rollback of k positions must fit a sliding cache's slack (16 by default)
@@ -194,7 +195,12 @@ def check_same_tokenizer(draft, target) -> None:
 
 
 def make_drafter(draft, target):
-    """The drafter for a loaded ``draft`` model: an ``AssistantDrafter`` for a gemma4_assistant, else a ``ModelDrafter``."""
+    """The drafter for a loaded ``draft`` model: an ``AssistantDrafter`` for a gemma4_assistant, else a
+    ``ModelDrafter``; ``"prompt-lookup"`` drafts from the conversation itself (``models.generation.prompt_lookup``)."""
+    if isinstance(draft, str):
+        if draft != "prompt-lookup":
+            raise DrafterMismatchError(f"draft={draft!r}: the one drafter named by a string is 'prompt-lookup'")
+        return PromptLookupDrafter(target.vocab_size)
     if hasattr(draft, "propose"):  # already a drafter (start / propose / settle / rollback)
         return draft
     if isinstance(getattr(draft, "graph", draft), Gemma4AssistantModel):
@@ -204,12 +210,15 @@ def make_drafter(draft, target):
 
 # ---------------------------------------------------------------------------------------- the loop
 def check_speculative_sampling(options: SamplingOptions) -> None:
-    """Refuse options speculative decoding cannot honour: a repetition penalty (acceptance compares
-    the drafter's and the target's distributions, which a penalty over the drafted tokens would change)."""
+    """Refuse options speculative decoding cannot honour: penalties and a logit bias (acceptance
+    compares the drafter's and the target's distributions, which a processor over the drafted
+    tokens would change)."""
     options.check()
-    if options.repetition_penalty != 1:
-        raise GenerationOptionError("repetition_penalty", options.repetition_penalty,
-                                    "speculative decoding applies no repetition penalty; use 1 or no draft model")  # fmt: skip
+    for name, neutral in (("repetition_penalty", 1), ("presence_penalty", 0), ("frequency_penalty", 0), ("logit_bias", None)):
+        value = getattr(options, name)
+        if value != neutral and (name != "logit_bias" or value):
+            raise GenerationOptionError(name, value, f"speculative decoding applies no {name.replace('_', ' ')}; "
+                                                     "leave it out or use no draft model")  # fmt: skip
 
 
 def check_num_draft_tokens(value) -> int:

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import itertools
 import json
 import secrets
 import tempfile
@@ -48,16 +49,20 @@ from models.generation.chat import plain_transcript
 from models.generation.chat_template import render_ids
 from models.generation.generate import GenerationOptionError, SamplingOptions
 from models.generation.batch import BatchRequest
+from models.generation.constraints import Grammar, GrammarError
 from models.serving.engine import DiffusionRequest, Engine, Event, QueueFull
 from models.serving.guard import Guard, loads
+from models.serving.logprobs import TokenTexts
 from models.serving.media import Media, MediaPolicy, media_counts, open_image, template_messages
 from models.serving.output import Delta, Markers, OutputParser
 from models.serving.schemas import APIError, ChatRequest, CompletionRequest, parse
+from models.serving.tool_grammar import tool_call_grammar
 
 
 # SamplingOptions field -> the request's (and ServerSettings') field.
 REQUEST_FIELDS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
                   "repetition_penalty": "repetition_penalty", "seed": "seed"}  # fmt: skip
+PROCESSOR_FIELDS = ("repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias")  # the request's own processors
 
 
 @dataclass
@@ -83,10 +88,10 @@ class ServerSettings:
 
 
 class Prepared:
-    """A request ready for the engine: what to submit, its prompt length, how to parse its output."""
+    """A request ready for the engine: what to submit, its prompt length, how to parse each choice's output."""
 
-    def __init__(self, request, prompt_tokens: int, parser: OutputParser):
-        self.request, self.prompt_tokens, self.parser = request, prompt_tokens, parser
+    def __init__(self, request, prompt_tokens: int, parsers: list[OutputParser]):
+        self.request, self.prompt_tokens, self.parsers = request, prompt_tokens, parsers
 
 
 class Server:
@@ -99,6 +104,7 @@ class Server:
         self.started = int(time.time())
         # The most characters one token covers: a text longer than context * this cannot fit.
         self.token_chars = max(map(len, model.tokenizer.get_vocab()))
+        self.token_texts = TokenTexts(model.tokenizer)
 
     @functools.cached_property
     def tokenizing(self) -> anyio.CapacityLimiter:
@@ -174,8 +180,8 @@ class Server:
         self._check_media(req.messages)
         messages, media = await anyio.to_thread.run_sync(template_messages, req.messages, self.settings.media, limiter=self.media_work)
         ids = await anyio.to_thread.run_sync(self.render, messages, tools, req.enable_thinking, limiter=self.tokenizing)
-        parser = OutputParser(self.model.tokenizer, stop=req.stops, markers=self.markers)
-        return await self._prepared(req, ids, media, parser)
+        parsers = [OutputParser(self.model.tokenizer, stop=req.stops, markers=self.markers) for _ in range(req.n)]
+        return await self._prepared(req, ids, media, parsers)
 
     async def prepare_completion(self, req: CompletionRequest) -> Prepared:
         if isinstance(req.prompt, str):
@@ -186,10 +192,10 @@ class Server:
             bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
             if bad:
                 raise APIError(400, f"prompt: token id {bad[0]} is outside the vocabulary [0, {self.model.vocab_size})", "prompt")
-        parser = OutputParser(self.model.tokenizer, stop=req.stops, channels=False)
-        return await self._prepared(req, ids, Media(), parser)
+        parsers = [OutputParser(self.model.tokenizer, stop=req.stops, channels=False) for _ in range(req.n)]
+        return await self._prepared(req, ids, Media(), parsers)
 
-    async def _prepared(self, req, ids: list[int], media: Media, parser: OutputParser) -> Prepared:
+    async def _prepared(self, req, ids: list[int], media: Media, parsers: list[OutputParser]) -> Prepared:
         self._max_tokens(req, len(ids))  # the text alone must fit before any media is decoded
         images, audio, videos = await anyio.to_thread.run_sync(self._process_media, media, limiter=self.media_work)
         # Each image placeholder becomes boi + its soft tokens + eoi; audio and video are counted
@@ -197,19 +203,63 @@ class Server:
         prompt_tokens = len(ids) + sum(getattr(image, "num_soft_tokens", 0) + 1 for image in images)
         max_tokens = self._max_tokens(req, prompt_tokens)
         if self.diffusion:
-            for option in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-                if getattr(req, option) is not None:
+            for option in ("temperature", "top_p", "top_k", "min_p", *PROCESSOR_FIELDS, "logprobs"):
+                if getattr(req, option) is not None and (option != "logprobs" or req.top_count is not None):
                     raise APIError(400, f"{option}: DiffusionGemma samples by its own schedule; leave {option} out", option)
+            if req.n != 1:
+                raise APIError(400, "n: DiffusionGemma runs one choice per request", "n")
+            if self.grammar(req) is not None:
+                raise APIError(400, "DiffusionGemma denoises whole blocks; its answers cannot be constrained by a grammar", None)
             stop_ids = frozenset(self.model.defaults.eos_token_id)
-            return Prepared(DiffusionRequest(ids, max_tokens, images, req.seed, stop_ids), prompt_tokens, parser)
+            return Prepared(DiffusionRequest(ids, max_tokens, images, req.seed, stop_ids), prompt_tokens, parsers)
         if getattr(req, "canvas_events", False):
             raise APIError(400, "canvas_events: only a DiffusionGemma model has a canvas", "canvas_events")
+        if req.n > self.engine.max_batch:
+            raise APIError(400, f"n: {req.n} choices run as {req.n} rows at once; this server runs at most {self.engine.max_batch} "
+                                f"(--max-batch)", "n")  # fmt: skip
+        bad = sorted(t for t in req.bias or {} if t >= self.model.vocab_size)
+        if bad:
+            raise APIError(400, f"logit_bias: token id {bad[0]} is outside the vocabulary [0, {self.model.vocab_size})", "logit_bias")
         try:
             sampling = self.sampling(req)
         except GenerationOptionError as err:
             raise APIError(400, str(err), REQUEST_FIELDS.get(err.argument, err.argument)) from None
-        request = BatchRequest(ids, max_tokens=max_tokens, sampling=sampling, images=images, audio=audio, videos=videos)
-        return Prepared(request, prompt_tokens, parser)
+        grammar = self.grammar(req)
+        if grammar is not None:
+            await anyio.to_thread.run_sync(self._check_grammar, grammar[0], grammar[1], limiter=self.tokenizing)
+        request = BatchRequest(ids, max_tokens=max_tokens, sampling=sampling, images=images, audio=audio, videos=videos, n=req.n,
+                               logprobs=req.top_count, grammar=None if grammar is None else grammar[0])  # fmt: skip
+        return Prepared(request, prompt_tokens, parsers)
+
+    def grammar(self, req) -> tuple[Grammar, str] | None:
+        """The grammar the request's answer must match and the option that asks for it, or None."""
+        response_format = getattr(req, "response_format", None)
+        if response_format is not None and response_format.type == "json_object":
+            return Grammar("json_object"), "response_format"
+        if response_format is not None and response_format.type == "json_schema":
+            return Grammar("json_schema", response_format.json_schema.json_schema or {}), "response_format.json_schema.schema"
+        if req.guided_json is not None:
+            return Grammar("json_schema", req.guided_json), "guided_json"
+        if req.guided_regex is not None:
+            return Grammar("regex", req.guided_regex), "guided_regex"
+        if req.guided_grammar is not None:
+            return Grammar("gbnf" if "::=" in req.guided_grammar else "lark", req.guided_grammar), "guided_grammar"
+        choice = getattr(req, "tool_choice", None)
+        if choice not in (None, "auto", "none"):
+            name = None if choice == "required" else choice.function.name
+            try:
+                return tool_call_grammar(self.markers, [t.function for t in req.tools], name), "tool_choice"
+            except ValueError as err:
+                raise APIError(400, f"tools: {err}", "tools") from None
+        return None
+
+    def _check_grammar(self, grammar: Grammar, param: str) -> None:
+        """Compile ``grammar`` once (a worker thread: the first compile builds llguidance's view of
+        the vocabulary), so that one it cannot compile is a 400 naming the option."""
+        try:
+            grammar.check(self.model.tokenizer, self.model.vocab_size, self.model.stop_ids)
+        except GrammarError as err:
+            raise APIError(400, f"{param}: {err}", param) from None
 
     def sampling(self, req=None) -> SamplingOptions:
         """The request's sampling fields, else the server's flags, else the checkpoint's defaults
@@ -219,7 +269,12 @@ class Server:
         if req is not None:
             given.update({name: getattr(req, field) for name, field in REQUEST_FIELDS.items() if getattr(req, field) is not None})
         seed = given.pop("seed")
-        return self.model.sampling_options(checkpoint_defaults=s.checkpoint_sampling, seed=seed, **given)[0]
+        options = self.model.sampling_options(checkpoint_defaults=s.checkpoint_sampling, seed=seed, **given)[0]
+        if req is None:
+            return options
+        processors = {"presence_penalty": req.presence_penalty or 0.0, "frequency_penalty": req.frequency_penalty or 0.0,
+                      "logit_bias": req.bias}  # fmt: skip
+        return dataclasses.replace(options, **processors)
 
     def _max_tokens(self, req, prompt_tokens: int) -> int:
         """The request's token budget, refused when prompt and budget do not fit the context."""
@@ -274,20 +329,32 @@ class Server:
         return run
 
 
+@dataclass
+class Choice:
+    """One choice of a run: its parser, tokens, finish reason, tool calls and log-probabilities."""
+
+    parser: OutputParser
+    tokens: int = 0
+    finish_reason: str | None = None
+    tool_calls: int = 0
+    logprobs: list = field(default_factory=list)
+
+
 class Run:
     """One request in the engine, seen from the event loop: its events arrive on an asyncio queue."""
 
     def __init__(self, server: Server, prepared: Prepared):
         self.server, self.prepared = server, prepared
-        self.parser = prepared.parser
+        self.choices = [Choice(parser) for parser in prepared.parsers]
         self.loop = asyncio.get_running_loop()
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.ticket = None
-        self.tokens = 0
         self.reused = 0
         self.prompt_tokens = prepared.prompt_tokens
-        self.finish_reason: str | None = None
-        self.tool_calls = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(c.tokens for c in self.choices)
 
     def _deliver(self, event: Event) -> None:  # called on the engine thread
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -302,39 +369,45 @@ class Run:
             status = 500 if self.first.error.startswith("internal error") else 400
             raise APIError(status, self.first.error, None, "invalid_request_error" if status == 400 else "server_error")
 
-    def cancel(self) -> None:
+    def cancel(self, choice: int | None = None) -> None:
         if self.ticket is not None and not self.ticket.done:
-            self.server.engine.cancel(self.ticket)
+            self.server.engine.cancel(self.ticket, choice)
 
     async def deltas(self):
-        """``(Delta, canvas dict or None)`` as events come, then the parser's rest; sets ``finish_reason``."""
+        """``(choice index, Delta, canvas dict or None, TokenLogprobs)`` as events come, then each
+        parser's rest; sets each choice's ``finish_reason``."""
         event = self.first
         while True:
             if event.canvas is not None:
-                yield Delta(), event.canvas
-            delta = Delta()
-            for token in event.tokens:
-                if self.parser.stopped:
+                yield 0, Delta(), event.canvas, []
+            choice = self.choices[event.choice]
+            delta, logprobs = Delta(), []
+            for token, logprob in itertools.zip_longest(event.tokens, event.logprobs):
+                if choice.parser.stopped:
                     break
-                self.tokens += 1
-                delta.extend(self.parser.add(token))
-                if self.parser.stopped:
-                    self.cancel()
+                choice.tokens += 1
+                delta.extend(choice.parser.add(token))
+                if logprob is not None:
+                    logprobs.append(logprob)
+                if choice.parser.stopped:
+                    self.cancel(event.choice)
+            choice.logprobs.extend(logprobs)
             self.prompt_tokens = event.prompt_tokens or self.prompt_tokens
             self.reused = max(self.reused, event.reused_tokens)
             if event.finish_reason is not None:
                 if event.finish_reason == "error":
                     raise APIError(500, event.error, None, "server_error")
-                delta.extend(self.parser.finish())
-                self.tool_calls += len(delta.tool_calls)
-                self.finish_reason = "stop" if self.parser.stopped or event.finish_reason == "cancelled" else event.finish_reason
-                if self.tool_calls and self.finish_reason == "stop":
-                    self.finish_reason = "tool_calls"
-                yield delta, None
-                return
-            self.tool_calls += len(delta.tool_calls)
-            if delta:
-                yield delta, None
+                delta.extend(choice.parser.finish())
+                choice.tool_calls += len(delta.tool_calls)
+                reason = "stop" if choice.parser.stopped or event.finish_reason == "cancelled" else event.finish_reason
+                choice.finish_reason = "tool_calls" if choice.tool_calls and reason == "stop" else reason
+                yield event.choice, delta, None, logprobs
+                if all(c.finish_reason is not None for c in self.choices):
+                    return
+            else:
+                choice.tool_calls += len(delta.tool_calls)
+                if delta or logprobs:
+                    yield event.choice, delta, None, logprobs
             event = await self.events.get()
 
     def usage(self) -> dict:
@@ -404,50 +477,66 @@ def make_app(model, engine: Engine, settings: ServerSettings) -> Starlette:
         if req.stream:
             return StreamingResponse(stream(request, run, req, chat, ident, created), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
-        collected = Delta()
+        collected = [Delta() for _ in run.choices]
         watcher = asyncio.ensure_future(until_disconnect(request))
         watcher.add_done_callback(lambda _: run.cancel())  # a client gone before the answer is whole
         try:
-            async for delta, _ in run.deltas():
-                collected.extend(delta)
+            async for index, delta, _, _ in run.deltas():
+                collected[index].extend(delta)
         except APIError as err:
             return error_response(err)
         finally:
             watcher.cancel()
             run.cancel()
-        if chat:
-            message = {"role": "assistant", "content": collected.content or (None if collected.tool_calls else "")}
-            if collected.reasoning:
-                message["reasoning_content"] = collected.reasoning
-            if collected.tool_calls:
-                message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in collected.tool_calls]
-            choice = {"index": 0, "message": message, "finish_reason": run.finish_reason, "logprobs": None}
-            kind = "chat.completion"
-        else:
-            choice = {"index": 0, "text": collected.content, "finish_reason": run.finish_reason, "logprobs": None}
-            kind = "text_completion"
+        choices = []
+        for index, (choice, delta) in enumerate(zip(run.choices, collected)):
+            logprobs = None
+            if req.top_count is not None:
+                logprobs = server.token_texts.chat(choice.logprobs) if chat else server.token_texts.completion(choice.logprobs)
+            if chat:
+                message = {"role": "assistant", "content": delta.content or (None if delta.tool_calls else "")}
+                if delta.reasoning:
+                    message["reasoning_content"] = delta.reasoning
+                if delta.tool_calls:
+                    message["tool_calls"] = [{k: v for k, v in c.items() if k != "index"} for c in delta.tool_calls]
+                choices.append({"index": index, "message": message, "finish_reason": choice.finish_reason, "logprobs": logprobs})
+            else:
+                choices.append({"index": index, "text": delta.content, "finish_reason": choice.finish_reason, "logprobs": logprobs})
+        kind = "chat.completion" if chat else "text_completion"
         return JSONResponse({"id": ident, "object": kind, "created": created, "model": settings.model_id,
-                             "choices": [choice], "usage": run.usage()})  # fmt: skip
+                             "choices": choices, "usage": run.usage()})  # fmt: skip
 
     async def stream(request: Request, run: Run, req, chat: bool, ident: str, created: int):
         kind = "chat.completion.chunk" if chat else "text_completion"
+        offsets = [0] * len(run.choices)  # characters of each completion choice's logprob tokens so far
 
-        def chunk(choice_delta: dict | None, finish=None, **extra) -> dict:
+        def chunk(index: int | None, choice_delta: dict | None, finish=None, logprobs=None, **extra) -> dict:
             choices = [] if choice_delta is None else [
-                {"index": 0, **({"delta": choice_delta} if chat else choice_delta), "finish_reason": finish, "logprobs": None}
+                {"index": index, **({"delta": choice_delta} if chat else choice_delta), "finish_reason": finish, "logprobs": logprobs}
             ]  # fmt: skip
             return {"id": ident, "object": kind, "created": created, "model": settings.model_id, "choices": choices, **extra}
+
+        def logprobs_of(index: int, items: list):
+            if req.top_count is None or not items:
+                return None
+            if chat:
+                return server.token_texts.chat(items)
+            shown = server.token_texts.completion(items, offsets[index])
+            offsets[index] += sum(map(len, shown["tokens"]))
+            return shown
 
         watcher = asyncio.ensure_future(until_disconnect(request))
         watcher.add_done_callback(lambda _: run.cancel())
         try:
             if chat:
-                yield sse(chunk({"role": "assistant", "content": ""}))
-            async for delta, canvas in run.deltas():
+                for index in range(len(run.choices)):
+                    yield sse(chunk(index, {"role": "assistant", "content": ""}))
+            async for index, delta, canvas, items in run.deltas():
                 if canvas is not None:
                     shown = dict(canvas, text=model.tokenizer.decode(canvas["tokens"]) if model.tokenizer is not None else "")
-                    yield sse(chunk(None, canvas=shown))
+                    yield sse(chunk(None, None, canvas=shown))
                     continue
+                logprobs = logprobs_of(index, items)
                 if chat:
                     pieces = []
                     if delta.reasoning:
@@ -456,13 +545,16 @@ def make_app(model, engine: Engine, settings: ServerSettings) -> Starlette:
                         pieces.append({"content": delta.content})
                     if delta.tool_calls:
                         pieces.append({"tool_calls": delta.tool_calls})
-                    for piece in pieces:
-                        yield sse(chunk(piece))
-                elif delta.content:
-                    yield sse(chunk({"text": delta.content}))
-            yield sse(chunk({} if chat else {"text": ""}, run.finish_reason))
+                    if logprobs is not None and not pieces:
+                        pieces.append({})
+                    for n, piece in enumerate(pieces, 1):
+                        yield sse(chunk(index, piece, logprobs=logprobs if n == len(pieces) else None))
+                elif delta.content or logprobs is not None:
+                    yield sse(chunk(index, {"text": delta.content}, logprobs=logprobs))
+            for index, choice in enumerate(run.choices):
+                yield sse(chunk(index, {} if chat else {"text": ""}, choice.finish_reason))
             if req.stream_options is not None and req.stream_options.include_usage:
-                yield sse(chunk(None, usage=run.usage()))
+                yield sse(chunk(None, None, usage=run.usage()))
             yield sse("[DONE]")
         except APIError as err:
             yield sse(err.body())

@@ -45,8 +45,9 @@ class QueueFull(Exception):
 
 @dataclass
 class Event:
-    """What a request did since its last event: new ``tokens`` (never a stop id), and at the end a
-    ``finish_reason`` (``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"`` with ``error``).
+    """What one choice of a request did since its last event: new ``tokens`` (never a stop id), and
+    at the end a ``finish_reason`` (``"stop"``, ``"length"``, ``"cancelled"`` or ``"error"`` with
+    ``error``; an error ends every choice). ``logprobs``: one ``TokenLogprob`` per token, when asked.
     ``canvas`` (DiffusionGemma, on request): one denoising step's draft of the current block."""
 
     tokens: list[int]
@@ -56,11 +57,13 @@ class Event:
     reused_tokens: int = 0
     error: str | None = None
     canvas: dict | None = None
+    choice: int = 0
+    logprobs: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
 class Ticket:
-    """A submitted request, as the handler holds it."""
+    """A submitted request, as the handler holds it; ``open``: its choices still running."""
 
     request: object
     deliver: Callable[[Event], None]
@@ -68,6 +71,7 @@ class Ticket:
     request_id: int | None = None
     done: bool = False
     cancel_requested: bool = False  # DiffusionGemma: read between denoising steps
+    open: int = 1
 
 
 @dataclass
@@ -150,13 +154,13 @@ class Engine:
                 self.metrics.rejected += 1
                 raise QueueFull(self.retry_after())
             self._outstanding += 1
-        ticket = Ticket(request, deliver, canvas)
+        ticket = Ticket(request, deliver, canvas, open=getattr(request, "n", 1))
         self._inbox.put(("submit", ticket))
         return ticket
 
-    def cancel(self, ticket: Ticket) -> None:
-        """End ``ticket``'s request (a no-op once it has ended)."""
-        self._inbox.put(("cancel", ticket))
+    def cancel(self, ticket: Ticket, choice: int | None = None) -> None:
+        """End ``ticket``'s request, or only its ``choice`` (a no-op once it has ended)."""
+        self._inbox.put(("cancel", (ticket, choice)))
 
     def retry_after(self) -> int:
         """Seconds until a slot is likely free: the queue's length times a recent step, at least 1."""
@@ -191,16 +195,16 @@ class Engine:
         """Handle queued submits and cancels; False once asked to stop."""
         while True:
             try:
-                kind, ticket = self._inbox.get(block=block, timeout=None)
+                kind, item = self._inbox.get(block=block, timeout=None)
             except queue.Empty:
                 return True
             block = False
             if kind == "stop":
                 return False
             if kind == "submit":
-                self._submit(ticket)
-            elif kind == "cancel" and not ticket.done:
-                self._cancel(ticket)
+                self._submit(item)
+            elif kind == "cancel" and not item[0].done:
+                self._cancel(*item)
 
     def _submit(self, ticket: Ticket) -> None:
         self.metrics.requests += 1
@@ -214,7 +218,7 @@ class Engine:
             return
         self._tickets[ticket.request_id] = ticket
 
-    def _cancel(self, ticket: Ticket) -> None:
+    def _cancel(self, ticket: Ticket, choice: int | None = None) -> None:
         if self.diffusion:
             if ticket in self._diffusion_queue:
                 self._diffusion_queue.remove(ticket)
@@ -223,7 +227,7 @@ class Engine:
                 ticket.cancel_requested = True
             return
         if ticket.request_id is not None:
-            self.generator.cancel(ticket.request_id)
+            self.generator.cancel(ticket.request_id, choice)
 
     def _finish(self, ticket: Ticket, event: Event) -> None:
         ticket.done = True
@@ -245,8 +249,11 @@ class Engine:
                 continue
             tokens = [e.token] if e.token is not None and e.finish_reason != "stop" else []
             produced += len(tokens)
-            event = Event(tokens, e.finish_reason, e.prompt_tokens, e.generated_tokens, e.reused_tokens, e.error)
-            if e.finish_reason is None:
+            event = Event(tokens, e.finish_reason, e.prompt_tokens, e.generated_tokens, e.reused_tokens, e.error, choice=e.choice,
+                          logprobs=[e.logprob] if tokens and e.logprob is not None else [])  # fmt: skip
+            if e.finish_reason is not None:
+                ticket.open -= 1
+            if e.finish_reason is None or (ticket.open > 0 and e.finish_reason != "error"):
                 ticket.deliver(event)
             else:
                 del self._tickets[e.request_id]

@@ -29,6 +29,7 @@ from mlx_lm.tool_parsers.gemma4 import parse_tool_call
 
 CHANNEL_OPEN, CHANNEL_CLOSE = "<|channel>", "<channel|>"
 TOOL_OPEN, TOOL_CLOSE = "<|tool_call>", "<tool_call|>"
+QUOTE = '<|"|>'  # Gemma 4's string delimiter inside a tool call
 THOUGHT_NAME = "thought"  # the channel name the template writes after <|channel>
 
 
@@ -51,12 +52,14 @@ class Delta:
 
 @dataclass(frozen=True)
 class Markers:
-    """The ids of Gemma 4's channel and tool-call markers; None for a tokenizer without them (Gemma 3)."""
+    """The ids of Gemma 4's channel and tool-call markers (and its string quote); None for a
+    tokenizer without them (Gemma 3)."""
 
     channel_open: int | None = None
     channel_close: int | None = None
     tool_open: int | None = None
     tool_close: int | None = None
+    quote: int | None = None
 
     @classmethod
     def of(cls, tokenizer) -> "Markers":
@@ -66,7 +69,7 @@ class Markers:
         ids = [vocab.get(name) for name in (CHANNEL_OPEN, CHANNEL_CLOSE, TOOL_OPEN, TOOL_CLOSE)]
         channel = ids[:2] if None not in ids[:2] else [None, None]
         tools = ids[2:] if None not in ids[2:] else [None, None]
-        return cls(*channel, *tools)
+        return cls(*channel, *tools, vocab.get(QUOTE))
 
     @property
     def has_tools(self) -> bool:

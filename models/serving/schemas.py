@@ -2,17 +2,16 @@
 
 Every model forbids unknown fields and is strict about types (``"5"`` is not a number), so a typo or
 an option we do not implement is a 400 naming it, never silently ignored. Options of the OpenAI API
-that we cannot honour (``n > 1``, penalties, ``logprobs``, ``logit_bias``, JSON response formats,
-forced tool choice) are accepted only at their neutral value; any other value is a 400 naming the
-option. ``top_k``, ``min_p`` and ``repetition_penalty`` (multiplicative, as transformers' and vLLM's) are
-accepted as extensions (mlx-lm's server takes them too), as is
-``chat_template_kwargs.enable_thinking`` (vLLM's spelling); ``canvas_events`` asks a DiffusionGemma
-server for its denoising steps.
+that we cannot honour (``best_of``, ``echo``, ``suffix``) are accepted only at their neutral value;
+any other value is a 400 naming the option. ``top_k``, ``min_p`` and ``repetition_penalty``
+(multiplicative, as transformers' and vLLM's) are accepted as extensions (mlx-lm's server takes them
+too), as is ``chat_template_kwargs.enable_thinking`` (vLLM's spelling); ``canvas_events`` asks a
+DiffusionGemma server for its denoising steps.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -20,6 +19,8 @@ from models.processing.audio import AUDIO_FORMATS
 
 MAX_STOPS = 4  # the API's limit
 MAX_STOP_CHARS = 1000  # characters in one stop string
+MAX_TOP_LOGPROBS = 20  # the API's limit for chat's top_logprobs (and ours for completions' logprobs)
+MAX_CHOICES = 128  # the API's limit for n (the server's --max-batch bounds it further)
 
 
 class Strict(BaseModel):
@@ -109,8 +110,31 @@ class StreamOptions(Strict):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(Strict):
+    name: str = Field(max_length=64)
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(Strict):
-    type: Literal["text"]  # json_object / json_schema need constrained decoding, which we do not have
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema goes with type 'json_schema', and that type needs it")
+        return self
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class TemplateOptions(Strict):
@@ -120,6 +144,8 @@ class TemplateOptions(Strict):
 # ----------------------------------------------------------------------------------- requests
 class Sampling(Strict):
     """The sampling and length options both endpoints share."""
+
+    GUIDES: ClassVar[tuple[str, ...]] = ("guided_json", "guided_regex", "guided_grammar", "tool_choice")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -133,12 +159,13 @@ class Sampling(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # Accepted at their neutral value only (see the module docstring).
-    n: Literal[1] = 1
-    presence_penalty: Literal[0] = 0
-    frequency_penalty: Literal[0] = 0
-    logprobs: Literal[False] | None = None
-    logit_bias: dict[str, float] | None = None
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    guided_json: dict[str, Any] | str | None = None  # vLLM's extensions: at most one guide per request
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # Lark (llguidance's dialect), or GBNF when it holds "::="
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -151,10 +178,21 @@ class Sampling(Strict):
             raise ValueError(f"a stop string may hold at most {MAX_STOP_CHARS} characters, got one of {longest}")
         return stop
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys are token ids written as strings, got {_shortened(repr(key))}")
+        return bias
+
     @model_validator(mode="after")
     def _checks(self) -> "Sampling":
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported (leave it out or send {})")
+        guides = [name for name in self.GUIDES if getattr(self, name, None) not in (None, "auto", "none")]
+        if getattr(self, "response_format", None) is not None and self.response_format.type != "text":
+            guides.append("response_format")
+        if len(guides) > 1:
+            raise ValueError(f"{' and '.join(guides)} each constrain the answer; send one")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed with stream: true")
         return self
@@ -163,23 +201,48 @@ class Sampling(Strict):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    @property
+    def bias(self) -> dict[int, float] | None:
+        """``logit_bias`` keyed by token id (None when empty)."""
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+
 
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: list[Tool] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: TemplateOptions | None = None
     canvas_events: bool = False
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _lengths(self) -> "ChatRequest":
         if self.max_tokens is not None and self.max_completion_tokens is not None and self.max_tokens != self.max_completion_tokens:
             raise ValueError("max_tokens and max_completion_tokens disagree; send one")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _forced_tool(cls, choice, info):
+        tools = info.data.get("tools")
+        if choice not in (None, "auto", "none") and not tools:
+            raise ValueError("'required' or a named function needs tools")
+        names = [tool.function.name for tool in tools or []]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"names {choice.function.name!r}, which is not among the tools {names}")
+        return choice
+
+    @property
+    def top_count(self) -> int | None:
+        """How many most likely tokens to report per token (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
@@ -198,6 +261,11 @@ class CompletionRequest(Sampling):
     echo: Literal[False] = False
     suffix: None = None
     best_of: Literal[1] | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @property
+    def top_count(self) -> int | None:
+        return self.logprobs
 
     @property
     def token_limit(self) -> int | None:
