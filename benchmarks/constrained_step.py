@@ -2,6 +2,7 @@
 JSON schema, in one process, alternating.
 
     python -m benchmarks.constrained_step [--rounds 3 --tokens 48]
+    python -m benchmarks.constrained_step --smoke    # one schema, 8 tokens, one round
 
 Each round runs, for each schema of ``tests.json_schemas``, one constrained answer (seeded
 sampling, temperature 1) and one unconstrained answer of the same length (``--tokens``, stop ids
@@ -19,6 +20,7 @@ import os
 import statistics
 
 import models
+from benchmarks import smoke
 from models.generation.generate import GenerationStats, SamplingOptions
 
 
@@ -36,7 +38,11 @@ def main(argv=None) -> None:
     p.add_argument("--model", default="gemma-3-270m")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--smoke", action="store_true", help=smoke.HELP)
     args = p.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.tokens = 1, 8
+        SCHEMAS = dict(list(SCHEMAS.items())[:1])
     model = models.load(args.model)
     prompt = model.encode("Describe one item as JSON.\n")
     per_token(model, prompt, 4, 0, SCHEMAS["person"][0])  # builds llguidance's view of the vocabulary once
@@ -55,6 +61,11 @@ def main(argv=None) -> None:
                               "ms_per_token_free": 1e3 * pair["free"][0], "tokens": pair["schema"][1]}), flush=True)  # fmt: skip
     a, b = statistics.median(constrained), statistics.median(free)
     print(json.dumps({"load_average": os.getloadavg()}))
+    if args.smoke:
+        record = smoke.Record("constrained_step")
+        record.row("ours constrained", ms_per_token=1e3 * a)
+        record.row("ours unconstrained", ms_per_token=1e3 * b)
+        record.finish()
     print(f"median ms/token: constrained {1e3 * a:.2f}, unconstrained {1e3 * b:.2f}, ratio {a / b:.3f}; "
           f"per-answer ratios {min(c / f for c, f in zip(constrained, free)):.3f}-{max(c / f for c, f in zip(constrained, free)):.3f}")
 

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import smoke
+
 ROOT = Path(__file__).resolve().parent.parent
 STACKS = ("ours", "sentence-transformers", "mlx-embeddings")
 LENGTHS = (16, 32, 64, 128, 256, 512)  # tokens of text before the prompt and special tokens
@@ -93,6 +95,7 @@ def run_mlx_embeddings(folder: str, batch: list[str], warm: list[str]):
     return time.perf_counter() - start, vectors, f"mlx-embeddings {version('mlx-embeddings')}"
 
 
+PACKAGES = {"sentence-transformers": "sentence_transformers", "mlx-embeddings": "mlx_embeddings"}  # peers' import names
 RUNNERS = {"ours": run_ours, "sentence-transformers": run_sentence_transformers, "mlx-embeddings": run_mlx_embeddings}
 
 
@@ -109,7 +112,7 @@ def worker(stack: str, folder: str, texts_file: str, vectors_file: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="16 texts of 8-32 tokens")
+    parser.add_argument("--smoke", action="store_true", help="16 texts of 8-32 tokens; " + smoke.HELP)
     parser.add_argument("--model", default="embeddinggemma-300m", help="zoo name or local folder")
     parser.add_argument("--stacks", default=",".join(STACKS))
     parser.add_argument("--worker", nargs=4, metavar=("STACK", "FOLDER", "TEXTS", "VECTORS"), help=argparse.SUPPRESS)
@@ -129,7 +132,7 @@ def main() -> None:
     tokens = sum(len(tokenizer("title: none | text: " + t)["input_ids"]) for t in batch)
     print(f"{count} texts, {tokens} tokens with the document prompt (lengths cycling {lengths}), batches of {BATCH}; "
           f"load average {os.getloadavg()[0]:.1f} at the start on {os.cpu_count()} CPUs.", flush=True)  # fmt: skip
-    rows, vectors = [], {}
+    rows, vectors, failed = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "texts.json").write_text(json.dumps(batch))
         for stack in [s.strip() for s in args.stacks.split(",")]:
@@ -138,7 +141,8 @@ def main() -> None:
             command = [sys.executable, "-m", "benchmarks.embedding", "--worker", stack, str(folder), str(Path(tmp) / "texts.json"), str(out)]
             done = subprocess.run(command, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
             if done.returncode != 0:
-                print(f"{stack}: failed (exit {done.returncode}): {done.stderr.strip().splitlines()[-1:]}", flush=True)
+                failed[stack] = f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"
+                print(f"{stack}: failed ({failed[stack]})", flush=True)
                 continue
             result = json.loads(done.stdout.strip().splitlines()[-1])
             vectors[stack] = np.load(out)
@@ -157,6 +161,28 @@ def main() -> None:
             cosine = "-"
         print(f"| {stack} | {speed:.2f} | {ratio} | {result['peak_mb']:.0f} | {cosine} |")
     print(f"\nLoad average {os.getloadavg()[0]:.1f} at the end.")
+    if args.smoke:
+        smoke_record(rows, vectors, failed, count).finish()
+
+
+def smoke_record(rows, vectors, failed, count) -> smoke.Record:
+    """Every stack a row (a peer not installed says so), and each within cosine 0.9999 of
+    sentence-transformers, the reference (a stack further off has no valid row)."""
+    import numpy as np
+
+    record = smoke.Record("embedding")
+    reference = vectors.get("sentence-transformers")
+    for stack, result in rows:
+        if reference is not None:
+            a, b = vectors[stack], reference
+            cosine = float(((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min())
+            if cosine < 0.9999:
+                record.missing(stack, f"lowest cosine to sentence-transformers {cosine:.6f} < 0.9999", ours=stack == "ours")
+                continue
+        record.row(stack, ours=stack == "ours", texts_per_s=count / result["seconds"])
+    for stack, reason in failed.items():
+        record.missing(stack, reason, ours=stack == "ours", package=PACKAGES.get(stack))
+    return record
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Token-mask time per step of three grammar libraries on the real Gemma 4 vocabulary (262,144 ids).
 
     python -m benchmarks.grammar_masks [--rounds 3]
+    python -m benchmarks.grammar_masks --smoke    # one round, one schema: every installed library has a row
 
 For each library (llguidance, xgrammar, outlines-core) and each JSON schema of
 ``tests.json_schemas``: compile the schema for the tokenizer (timed), then walk the tokens of a
@@ -18,6 +19,7 @@ import statistics
 import time
 
 import models  # noqa: F401  (the project before mlx)
+from benchmarks import smoke
 import numpy as np
 
 
@@ -31,6 +33,7 @@ def tokenizer():
 
 class LLGuidance:
     name = "llguidance"
+    package = "llguidance"
 
     def __init__(self, hf):
         import llguidance
@@ -59,6 +62,7 @@ class LLGuidance:
 
 class XGrammar:
     name = "xgrammar"
+    package = "xgrammar"
 
     def __init__(self, hf):
         import xgrammar
@@ -87,6 +91,7 @@ class XGrammar:
 
 class OutlinesCore:
     name = "outlines-core"
+    package = "outlines_core"
 
     def __init__(self, hf):
         import outlines_core
@@ -138,7 +143,11 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--only", default=None, help="comma-separated library names")
+    p.add_argument("--smoke", action="store_true", help=smoke.HELP)
     args = p.parse_args(argv)
+    if args.smoke:
+        args.rounds = 1
+        SCHEMAS = dict(list(SCHEMAS.items())[:1])
     hf = tokenizer()
     chosen = [cls for cls in LIBRARIES if args.only is None or cls.name in args.only.split(",")]
     libraries = []
@@ -161,6 +170,17 @@ def main(argv=None) -> None:
                 print(json.dumps({"round": r, "library": library.name, "schema": name, **row}), flush=True)
                 results.setdefault(library.name, []).append(row)
     print(json.dumps({"load_average": os.getloadavg()}))
+    if args.smoke:
+        record = smoke.Record("grammar_masks")
+        for cls in chosen:  # the library we use is ours; the others are peers (absent: not installed)
+            rows = [row for row in results.get(cls.name, []) if "error" not in row]
+            ours = cls.name == "llguidance"
+            if rows:
+                record.row(cls.name, ours=ours, mask_ms=rows[0]["mask_ms_median"])
+            else:
+                errors = [row["error"] for row in results.get(cls.name, [])] or ["did not load the tokenizer"]
+                record.missing(cls.name, errors[0], ours=ours, package=cls.package)
+        record.finish()
     for name, rows in results.items():
         good = [row for row in rows if "error" not in row]
         if good:

@@ -28,11 +28,15 @@ BENCHMARKS = {
     "long_context": [],  # 21 s
     "packed_kernels": [],  # 1 s
     "prefill": [],  # 36 s
+    "prompt_lookup": [],  # a tiny random Gemma 3: plain and prompt-lookup greedy agree
     "speculative": [],  # 62 s: a 270M-shaped random Gemma 4 target for the assistant
     "speed": ["--models", "gemma3"],  # 70 s: 6 stacks, each in its own process (Gemma 4: gemma4_text_vs_mlx_lm)
 }
 # benchmarks whose smoke mode needs real assets or a large checkpoint (built once, minutes)
 SLOW = {
+    "constrained_step": [],  # the real 270M and its tokenizer: one schema, 8 tokens
+    "embedding": [],  # the real EmbeddingGemma 300M (1.2 GB, assembled once) against sentence-transformers
+    "grammar_masks": [],  # the real Gemma 4 tokenizer: each grammar library's mask on one schema
     "accelerator_check": [],  # a parity file and four benchmarks' smoke runs under the accelerator plan: minutes
     "distributed": [],  # 2-rank launches; the MoE-shaped checkpoint is built once
     "gemma4_media_vs_mlx_vlm": [],  # an audio tower of the released size: ~1.5 GB written once
