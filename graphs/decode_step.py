@@ -1,7 +1,7 @@
 """The decode step of a text graph compiled whole: one ``mx.compile`` over every layer, every token.
 
-A decode step is ~2,150 small MLX graph nodes (the 270M's; ~350 with the decode kernels of
-``zoo_cpu.decode``) built through Python each token; compiled, the trace is replayed (element-wise
+A decode step is a couple of thousand small MLX graph nodes (counts in docs/speed.md) built
+through Python each token; compiled, the trace is replayed (element-wise
 chains fused, no Python per op). One trace stays valid for every token because nothing
 position-dependent is a Python int inside it: the caches' write rows, read starts and the RoPE
 offset are arrays (``cache.positioned``), and what does change a trace (buffer shapes, which

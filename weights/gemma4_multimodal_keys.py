@@ -10,9 +10,8 @@ checkpoint whose weights lack the audio tower is built without it (audio is then
 
 from __future__ import annotations
 
-from typing import Collection, Mapping
+from typing import Collection
 
-import mlx.core as mx
 
 from .gemma4_vision_keys import TOWER_PREFIXES
 from .layouts import Layout, prefixed
