@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Collection
 
-
 from .gemma4_vision_keys import TOWER_PREFIXES
 from .layouts import Layout, prefixed
 
