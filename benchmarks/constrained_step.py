@@ -4,7 +4,7 @@ JSON schema, in one process, alternating.
     python -m benchmarks.constrained_step [--rounds 3 --tokens 48]
     python -m benchmarks.constrained_step --smoke    # one schema, 8 tokens, one round
 
-Each round runs, for each schema of ``tests.json_schemas``, one constrained answer (seeded
+Each round runs, for each schema of ``benchmarks.json_schemas``, one constrained answer (seeded
 sampling, temperature 1) and one unconstrained answer of the same length (``--tokens``, stop ids
 ignored by a budget equal to the constrained answer's length), and records seconds per generated
 token of each (``GenerationStats.generation_seconds / generation_tokens``, prefill excluded). Prints
@@ -32,7 +32,7 @@ def per_token(model, prompt, max_tokens: int, seed: int, schema=None) -> tuple[f
 
 
 def main(argv=None) -> None:
-    from tests.json_schemas import SCHEMAS
+    from benchmarks.json_schemas import SCHEMAS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gemma-3-270m")

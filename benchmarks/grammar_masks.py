@@ -4,7 +4,7 @@
     python -m benchmarks.grammar_masks --smoke    # one round, one schema: every installed library has a row
 
 For each library (llguidance, xgrammar, outlines-core) and each JSON schema of
-``tests.json_schemas``: compile the schema for the tokenizer (timed), then walk the tokens of a
+``benchmarks.json_schemas``: compile the schema for the tokenizer (timed), then walk the tokens of a
 valid document of that schema, computing the next-token mask before each token and advancing
 (timed per token). The same documents and token sequences for all libraries; rounds alternate the
 libraries' order. Prints one JSON line per (round, library, schema) and a median table.
@@ -138,7 +138,7 @@ def walk(library, schema, ids: list[int]) -> dict:
 
 
 def main(argv=None) -> None:
-    from tests.json_schemas import SCHEMAS
+    from benchmarks.json_schemas import SCHEMAS
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)

@@ -76,7 +76,7 @@ def test_benchmark_smoke_real_assets(module):
 
 def test_every_benchmark_has_a_smoke_test():
     modules = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
-    helpers = {"peers", "smoke"}  # no benchmark of their own
+    helpers = {"peers", "smoke", "json_schemas"}  # no benchmark of their own
     own_test = {"diffusion_gemma"}  # tests/test_benchmark_smoke_diffusion.py
     assert modules - helpers - own_test - set(BENCHMARKS) - set(SLOW) == set()
 

@@ -20,7 +20,7 @@ import models  # noqa: E402
 from models.generation.batch import BatchGenerator, BatchRequest  # noqa: E402
 from models.generation.constraints import Grammar, GrammarError  # noqa: E402
 from models.generation.generate import SamplingOptions  # noqa: E402
-from tests.json_schemas import SCHEMAS  # noqa: E402
+from benchmarks.json_schemas import SCHEMAS  # noqa: E402
 from tests.server_tiny import save_random_chat  # noqa: E402
 
 MAX_TOKENS = 160  # every schema's strings, arrays and integers are bounded; fractions rarely run long

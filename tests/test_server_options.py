@@ -157,7 +157,7 @@ def test_penalized_requests_equal_generate_alone_and_batched(model, url):
 # ------------------------------------------------------------------------------ structured output
 def test_json_schemas_validate_streamed_and_not_alone_and_batched(model, url):
     jsonschema = pytest.importorskip("jsonschema")
-    from tests.json_schemas import SCHEMAS
+    from benchmarks.json_schemas import SCHEMAS
 
     def body(i: int, name: str) -> dict:
         schema = SCHEMAS[name][0]

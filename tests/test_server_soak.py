@@ -24,7 +24,7 @@ pytest.importorskip("uvicorn")
 
 import models  # noqa: E402
 from models.generation.generate import KVQuantization, SamplingOptions  # noqa: E402
-from tests.json_schemas import SCHEMAS  # noqa: E402
+from benchmarks.json_schemas import SCHEMAS  # noqa: E402
 from tests.server_tiny import http, running_server, save_random_chat  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
 """Ten JSON schemas for structured output (nested objects, arrays, enums, bounded numbers, optional
-fields), each with one valid document: the tests' and ``benchmarks.grammar_masks``' shared set."""
+fields), each with one valid document: the shared set of the structured-output tests and benchmarks (``constrained_step``, ``grammar_masks``)."""
 
 from __future__ import annotations
 
