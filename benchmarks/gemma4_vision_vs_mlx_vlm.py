@@ -289,7 +289,7 @@ def main() -> None:
     parser.add_argument("--max-soft-tokens", type=int, default=280)
     # A path, not a built-in name: the library ships no sample photos. The measured runs used scikit-image's
     # chelsea.png, which `python -m tests.real_media chelsea.png` fetches (pinned wheel, sha256) and prints.
-    parser.add_argument("--photo", required=True, metavar="PATH", help="the photo both stacks read (e.g. chelsea.png)")
+    parser.add_argument("--photo", metavar="PATH", help="the photo both stacks read (e.g. chelsea.png); --smoke without it: a synthetic picture")
     parser.add_argument("--mlx-vlm-path", help="a folder holding the mlx_vlm package (added to its child's path only)")
     parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
     parser.add_argument("--child", choices=["ours", "mlx_vlm"], help=argparse.SUPPRESS)
@@ -298,6 +298,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.gen, args.runs, args.max_soft_tokens = 4, 1, 70
+        args.photo = args.photo or str(smoke.synthetic_photo())
+    if args.photo is None:
+        parser.error("--photo PATH is required (the library ships no sample photos)")
     if args.child:
         child(args.child, args.path, args.text, args.photo, args.max_soft_tokens)
         return

@@ -183,3 +183,23 @@ def tiny_checkpoint(family: str) -> Path:
     except OSError:  # another process finished first: its folder is the same checkpoint
         shutil.rmtree(partial)
     return folder
+
+
+def synthetic_photo() -> Path:
+    """A 320x240 RGB picture (colour gradients and seeded noise) for smoke runs that need an image:
+    the speed of a vision tower does not depend on what the picture shows. Written once under
+    ``.assets/bench``."""
+    path = ROOT / ".assets" / "bench" / "smoke-photo.png"
+    if path.is_file():
+        return path
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:240, 0:320]
+    noise = np.random.default_rng(0).integers(0, 32, (240, 320, 3))
+    pixels = np.stack([x * 255 // 319, y * 255 // 239, (x + y) * 255 // 558], axis=-1) * 7 // 8 + noise
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.partial-{os.getpid()}.png")  # whole or absent: processes may race
+    Image.fromarray(pixels.astype(np.uint8)).save(partial)
+    partial.replace(path)
+    return path
