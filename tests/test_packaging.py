@@ -45,7 +45,8 @@ def installed(tmp_path_factory) -> tuple[Path, Path, Path]:
     (wheel,) = dist.glob("gemma_mlx_zoo-*.whl")
     run([sys.executable, "-m", "venv", str(root / "venv")], cwd=root)
     python = root / "venv" / "bin" / "python"
-    run([str(python), "-m", "pip", "install", "-q", f"{wheel}[demo,server]", "torch==2.13.0"], cwd=root)
+    # A PYTHONPATH into this checkout (its egg-info) would make pip count the zoo as installed already.
+    run([str(python), "-m", "pip", "install", "-q", f"{wheel}[demo,server]", "torch==2.13.0"], cwd=root, env=clean_env(root))
     elsewhere = root / "elsewhere"
     elsewhere.mkdir()
     return wheel, python, elsewhere
@@ -74,7 +75,7 @@ def test_wheel_names_only_allowed_top_level_packages_and_no_startup_files(instal
         owners = metadata.packages_distributions()
         print(json.dumps({name: owners.get(name, []) for name in %r}))
     """ % sorted(ALLOWED_TOP_LEVEL)
-    owners = json.loads(run([str(python), "-c", textwrap.dedent(code)], cwd=elsewhere).splitlines()[-1])
+    owners = json.loads(run([str(python), "-c", textwrap.dedent(code)], cwd=elsewhere, env=clean_env(elsewhere)).splitlines()[-1])
     shared = {name: dists for name, dists in owners.items() if set(dists) != {"gemma-mlx-zoo"}}
     assert not shared, f"top-level names another installed distribution also provides: {shared}"
 
