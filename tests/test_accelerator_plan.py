@@ -51,7 +51,8 @@ PARITY_FILES = [
     "test_gemma4_assistant.py", "test_gemma4_unified_assistant.py", "test_diffusion_parity.py",
     "test_diffusion_generate.py", "test_gemma4_cache_consistency.py", "test_batch_generate.py",
     "test_speculative.py", "test_speculative_families.py", "test_cache_reads.py", "test_cache_batch.py",
-    "test_cache_quantized.py", "test_compiled_decode.py",
+    "test_cache_quantized.py", "test_compiled_decode.py", "test_embedding.py", "test_diffusion_step.py",
+    "test_prompt_lookup.py", "test_processors.py",
 ]  # fmt: skip
 TINY = ["T1", "T2", "E2B_like", "gemma3"]
 
