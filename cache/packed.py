@@ -14,14 +14,15 @@ same text, so the scores are the text's own (up to float rounding of the rotatio
 
 from __future__ import annotations
 
-from functools import partialmethod
 from typing import Callable, Sequence
 
 import mlx.core as mx
 
 from .base import AttentionCache
+from .reads import only_read
 
 
+@only_read("bidirectional", "packed texts take only the bidirectional read (they are encoded whole, never appended to)")
 class PackedCache:
     """One layer's cache for texts packed in one row: ``segments[i]`` is text ``i``'s own cache."""
 
@@ -55,13 +56,3 @@ class PackedCache:
             outs.append(cache.bidirectional(q[:, :, part], k[:, :, part], v[:, :, part], scale=scale))
             start += n
         return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
-
-    def _refuse(self, read: str, *args, **kwargs):
-        raise ValueError(f"{read}: packed texts take only the bidirectional read (they are encoded whole, never appended to)")
-
-    decode = partialmethod(_refuse, "decode")
-    window = partialmethod(_refuse, "window")
-    vision_prefill = partialmethod(_refuse, "vision_prefill")
-    encoder = partialmethod(_refuse, "encoder")
-    canvas = partialmethod(_refuse, "canvas")
-    draft = partialmethod(_refuse, "draft")

@@ -14,17 +14,17 @@ positions; a sliding layer's reaches its fixed capacity once).
 
 from __future__ import annotations
 
-from functools import partialmethod
-
 import mlx.core as mx
 
 from . import masks
 from .attention import check_qkv, check_scale
 from .base import Attended, AttentionCache, _geometry
 from .codecs import Planes
+from .reads import only_read
 from .spec import CacheSpec
 
 
+@only_read("decode", "a compiled decode step makes only decode reads (one position per row)")
 class PositionedCache(AttentionCache):
     """Stands in for one owning cache in a compiled decode step; only the ``decode`` read exists.
 
@@ -60,16 +60,6 @@ class PositionedCache(AttentionCache):
         run = (self._start, self._size)
         self._last = Attended("decode", 1, self.offset, self.keys, self.values, mask, _geometry(k, v), run)
         return self.codec.attend_run(q, self.keys, self.values, *run, scale, mask)
-
-    def _refuse(self, read: str, *args, **kwargs):
-        raise ValueError(f"{read}: a compiled decode step makes only decode reads (one position per row)")
-
-    window = partialmethod(_refuse, "window")
-    vision_prefill = partialmethod(_refuse, "vision_prefill")
-    encoder = partialmethod(_refuse, "encoder")
-    bidirectional = partialmethod(_refuse, "bidirectional")
-    canvas = partialmethod(_refuse, "canvas")
-    draft = partialmethod(_refuse, "draft")
 
     def can_trim(self, n: int) -> bool:
         return False

@@ -16,6 +16,28 @@ NAMES = ("decode", "window", "vision_prefill", "encoder", "canvas", "bidirection
 _WITH_BLOCKS = ("vision_prefill", "encoder")
 
 
+def only_read(allowed: str, why: str):
+    """Class decorator for a cache that takes one read: every other read of ``NAMES`` raises
+    ``ValueError("<read>: <why>")``, so a read added to the contract is refused there too."""
+    if allowed not in NAMES:
+        raise ValueError(f"only_read: unknown read {allowed!r}; the reads are {', '.join(NAMES)}")
+
+    def refusal(read: str):
+        def refused(self, *args, **kwargs):
+            raise ValueError(f"{read}: {why}")
+
+        refused.__name__ = refused.__qualname__ = read
+        return refused
+
+    def decorate(cls):
+        for read in NAMES:
+            if read != allowed:
+                setattr(cls, read, refusal(read))
+        return cls
+
+    return decorate
+
+
 @dataclass(frozen=True, eq=False)
 class Read:
     name: str

@@ -20,6 +20,7 @@ st = pytest.importorskip("sentence_transformers")
 
 import models  # noqa: E402
 from graphs.gemma3_text_config import FULL, SLIDING  # noqa: E402
+import mlx.core as mx  # noqa: E402
 
 WORDS = [f"w{i}" for i in range(60)]
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
@@ -98,7 +99,6 @@ def test_embeddings_match_sentence_transformers(tiny, prompt_name, batch_size):
 def test_the_encoder_matches_transformers_hidden_states(tiny):
     folder, reference, ours = tiny
     hf = reference[0].auto_model
-    import mlx.core as mx
 
     ids = ours.tokenize(TEXTS)
     hidden = ours.graph.encode(mx.array([t for row in ids for t in row])[None], [len(r) for r in ids])
@@ -169,7 +169,6 @@ def test_a_head_the_zoo_does_not_compute_is_refused_by_file(tiny, tmp_path):
 
 
 def test_the_encoder_has_no_causal_forward(tiny):
-    import mlx.core as mx
 
     with pytest.raises(ValueError, match="bidirectional encoder.*run encode"):
         tiny[2].graph(mx.array([[2, 5, 1]]))
@@ -210,3 +209,15 @@ def test_an_8bit_conversion_keeps_the_head_and_stays_close(tiny, tmp_path):
     assert "scales" in quantized.graph.layers[0].mlp.gate_proj
     a, b = quantized.embed(TEXTS, prompt_name="query"), ours.embed(TEXTS, prompt_name="query")
     assert ((a * b).sum(1)).min() > 0.99
+
+
+def test_a_packed_cache_refuses_every_read_but_bidirectional_by_name():
+    from cache import KVCache, PackedCache
+    from cache.reads import NAMES
+
+    packed = PackedCache([2, 3], KVCache)
+    x = mx.zeros((1, 1, 5, 8))
+    for read in set(NAMES) - {"bidirectional"}:
+        with pytest.raises(ValueError, match=f"^{read}: packed texts take only the bidirectional read"):
+            getattr(packed, read)(x, x, x, scale=1.0)
+    assert packed.bidirectional(x, x, x, scale=1.0).shape == (1, 1, 5, 8)
