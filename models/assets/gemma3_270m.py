@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from importlib import import_module
 from importlib.resources import files
 from pathlib import Path
 
-from weights.resolve import ModelNotAvailableError, remove_stale_staging, staging_name
+from weights.resolve import ModelNotAvailableError, discard_damaged, remove_stale_staging
 from weights.safetensors_io import CheckpointError, check_safetensors_file
 
 from models.assets.fetch import assets_dir
@@ -85,7 +84,7 @@ def gemma3_270m_folder(progress: bool = True, packed: bool = False) -> Path:
     gguf = gemma3_270m_gguf(package)
     if damage is not None:
         print(f"The cached {folder} is damaged ({damage}); rebuilding it from {gguf.name}.", file=sys.stderr)
-        _move_aside(folder)
+        discard_damaged(folder)
     print(f"Converting Gemma 3 270M from {gguf.name} into {folder} (once)...", file=sys.stderr)
     try:
         convert_gguf(gguf, folder, progress=progress, extra_files=_notice_files(), packed=packed)
@@ -128,16 +127,6 @@ def _notice_files() -> dict[str, str]:
     """The chunk package's licence and provenance files, by name (copied in before the folder is renamed into place)."""
     data = files(PACKAGE).joinpath("data")
     return {name: str(data.joinpath(name)) for name in NOTICE_FILES if data.joinpath(name).is_file()}
-
-
-def _move_aside(folder: Path) -> None:
-    """Rename the damaged ``folder`` out of the way, then delete it (another process may have done so already)."""
-    aside = staging_name(folder, "damaged")
-    try:
-        os.rename(folder, aside)
-    except FileNotFoundError:
-        return
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 def gemma3_270m_gguf(package=None) -> Path:

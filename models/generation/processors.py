@@ -52,15 +52,13 @@ class TokenLogprob:
 def token_logprob(logprobs: mx.array, token: int, top: int) -> TokenLogprob:
     """``token``'s entry of the normalised ``logprobs [1, V]`` and the ``top`` best entries."""
     row = logprobs.reshape(-1)
+    chosen = row[token].astype(mx.float32)
     best: list[tuple[int, float]] = []
     if top > 0:
         ids = mx.argpartition(-row, kth=top - 1)[:top]
         values = row[ids].astype(mx.float32)
-        chosen = row[token].astype(mx.float32)
         mx.eval(ids, values, chosen)
         ids_np, values_np = np.array(ids), np.array(values)
         order = np.lexsort((ids_np, -values_np))
         best = [(int(ids_np[i]), float(values_np[i])) for i in order]
-    else:
-        chosen = row[token].astype(mx.float32)
     return TokenLogprob(token, float(chosen.item()), best)
