@@ -562,10 +562,6 @@ def make_app(model, engine: Engine, settings: ServerSettings) -> Starlette:
             watcher.cancel()
             run.cancel()
 
-    async def models_list(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": settings.model_id, "object": "model", "created": server.started, "owned_by": "gemma-mlx-zoo"}]})  # fmt: skip
-
     async def health(request: Request) -> Response:
         alive = engine.alive
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
@@ -584,23 +580,42 @@ def make_app(model, engine: Engine, settings: ServerSettings) -> Starlette:
     routes = [
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/models", models_list, methods=["GET"]),
+        model_list_route(settings, server.started),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
+
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         engine.stop()
 
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
-
-    async def internal_error(request: Request, exc: Exception) -> Response:  # a bug: still an OpenAI-shaped body
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "server_error"))
-
-    guard = Middleware(Guard, allowed_hosts=settings.allowed_hosts, api_key=settings.api_key)
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=[guard],
-                    exception_handlers={HTTPException: http_error, Exception: internal_error})  # fmt: skip
+    app = openai_app(routes, settings, lifespan)
     app.state.server = server
     return app
+
+
+def model_list_route(settings: ServerSettings, created: int) -> Route:
+    """``GET /v1/models``: the one model served, in OpenAI's list shape."""
+
+    async def models_list(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": settings.model_id, "object": "model", "created": created, "owned_by": "gemma-mlx-zoo"}]})  # fmt: skip
+
+    return Route("/v1/models", models_list, methods=["GET"])
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:  # a bug: still an OpenAI-shaped body
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "server_error"))
+
+
+def openai_app(routes: list, settings: ServerSettings, lifespan=None) -> Starlette:
+    """``routes`` behind the guard (Host allow-list, API key: ``models.serving.guard``), every error
+    answered in OpenAI's error body."""
+    guard = Middleware(Guard, allowed_hosts=settings.allowed_hosts, api_key=settings.api_key)
+    return Starlette(routes=routes, lifespan=lifespan, middleware=[guard],
+                     exception_handlers={HTTPException: _http_error, Exception: _internal_error})  # fmt: skip

@@ -26,15 +26,12 @@ import anyio
 import mlx.core as mx
 import numpy as np
 from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from models.embedding_model import EmbeddingModel, matryoshka
-from models.serving.app import ServerSettings, error_response, read_json
-from models.serving.guard import Guard
+from models.serving.app import ServerSettings, error_response, model_list_route, openai_app, read_json
 from models.serving.schemas import APIError, Strict, parse
 
 MAX_INPUTS = 2048  # texts in one request (OpenAI's limit)
@@ -131,26 +128,14 @@ def make_embedding_app(model: EmbeddingModel, settings: ServerSettings) -> Starl
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         })  # fmt: skip
 
-    async def models_list(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": settings.model_id, "object": "model", "created": started, "owned_by": "gemma-mlx-zoo"}]})  # fmt: skip
-
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    async def http_error(request: Request, exc: HTTPException) -> Response:
-        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}"))
-
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}", None, "server_error"))
-
     routes = [
         Route("/v1/embeddings", embeddings, methods=["POST"]),
-        Route("/v1/models", models_list, methods=["GET"]),
+        model_list_route(settings, started),
         Route("/health", health, methods=["GET"]),
     ]
-    guard = Middleware(Guard, allowed_hosts=settings.allowed_hosts, api_key=settings.api_key)
-    app = Starlette(routes=routes, middleware=[guard],
-                    exception_handlers={HTTPException: http_error, Exception: internal_error})  # fmt: skip
+    app = openai_app(routes, settings)
     app.state.batcher = batcher
     return app
