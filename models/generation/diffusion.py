@@ -201,11 +201,6 @@ def _mlx_vocabulary_step(logits, temperature, cap, capped: bool):
     return processed, probs, entropies, mx.argmax(processed, axis=-1).astype(mx.int32)
 
 
-def entropy(logits: mx.array) -> mx.array:
-    """Per-position entropy (nats) of ``softmax(logits)``, in float32."""
-    return vocabulary_step(logits, 1.0)[2]
-
-
 def entropy_bound_accept(entropies: mx.array, bound: float) -> mx.array:
     """Accept, in ascending-entropy order, each position whose predecessors' entropies sum to at most ``bound``.
 
