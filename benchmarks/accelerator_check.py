@@ -140,18 +140,21 @@ def main() -> None:
     else:
         python, notes = make_environment(args.venv, args.wheels)
     env = {**os.environ, "GEMMA_ZOO_PLAN": "accelerator"}
+    # float32 parity needs IEEE float32 products (MLX's CUDA build defaults to TF32): the suite's
+    # conftest sets it too; the speed rows run as users run, with MLX's default
+    parity_env = {**env, "MLX_ENABLE_TF32": "0"}
     rows.append(("environment", "; ".join(notes), ""))
 
     if any(word in "parity, accelerator plan" for word in skipped):
         rows.append(("parity, accelerator plan", LEFT_OUT, ""))
     else:
         parity = PARITY[:1] if args.smoke else PARITY
-        code, text, seconds = run([str(python), "-m", "pytest", "-q", "-m", "not slow", "-p", "no:cacheprovider", *parity],
-                                  env, args.timeout)  # fmt: skip
+        code, text, seconds = run([str(python), "-m", "pytest", "-q", "--tb=line", "-m", "not slow", "-p", "no:cacheprovider", *parity],
+                                  parity_env, args.timeout)  # fmt: skip
         counts = ", ".join(re.findall(r"\d+ (?:passed|failed|errors?|skipped)", text)) or f"exit {code}"
         rows.append(("parity, accelerator plan", counts if code == 0 else f"failed: {counts}", f"{seconds:.0f} s"))
         print(" | ".join(rows[-1]), flush=True)  # as each step ends, for a run that is cut short
-        outputs.append(("parity, accelerator plan", text[-3000:]))
+        outputs.append(("parity, accelerator plan", text[-6000:]))
         if code == 0:
             record.row("parity, accelerator plan", seconds=seconds)
         else:
