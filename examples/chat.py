@@ -10,7 +10,8 @@ the conversation (--prompt-cache FILE resumes one at start and saves it on exit;
 be used is refused by name and the chat goes on as it was); /quit (or Ctrl-D) leaves. A message the
 model refuses (past its context) is not kept, and the chat goes on. Flags follow mlx-lm's spelling
 where they overlap; bad values and an unwritable --transcript are refused before the model loads.
-Sampling flags left out come from the checkpoint's generation_config.json, as transformers reads
+--json-schema FILE makes every answer a JSON value matching that schema (docs/server.md, "Structured
+output"). Sampling flags left out come from the checkpoint's generation_config.json, as transformers reads
 it (--temp 0 is greedy; --ignore-checkpoint-sampling ignores the file); --verbose prints each
 value, where it came from and the seed, drawn when --seed is not given.
 
@@ -59,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="speculative decoding: a Gemma 4 assistant (gemma4_assistant, gemma4_unified_assistant) for a Gemma 4 --model, or any "
                         "zoo model with the same tokenizer; the output is the same, --verbose reports the acceptance")
     p.add_argument("--num-draft-tokens", type=int, default=4, help="tokens drafted per target step (1-16; default 4)")
+    p.add_argument("--json-schema", metavar="FILE",
+                   help="every answer is JSON matching the schema in FILE (constrained decoding with llguidance, "
+                        "pip install -e \".[server]\"); a keyword it cannot compile is refused by name")  # fmt: skip
     add_parallel_args(p)
     return p.parse_args(argv)
 

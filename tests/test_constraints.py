@@ -122,3 +122,37 @@ def test_the_real_270m_answers_every_schema_validly_through_the_server():
                 assert isinstance(json.loads(choice["message"]["content"]), dict), answer
                 finished += 1
         assert finished, "no json_object answer ended within 200 tokens"
+
+
+def test_chat_json_schema_flag_answers_json_that_validates(model, tmp_path, capsys):
+    from examples import chat
+
+    schema = SCHEMAS["nested_address"][0]
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for seed in range(2):
+        code = chat.main(["--model", str(model.path), "--prompt", "Answer in JSON:", "--json-schema", str(path),
+                          "--max-tokens", str(MAX_TOKENS), "--temp", "1", "--seed", str(seed)])  # fmt: skip
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        jsonschema.validate(json.loads(out.out), schema)
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{not json", ["not valid JSON"]),
+    ("[1, 2]", ["a JSON schema is an object, not a list"]),
+    ('{"type": "array", "uniqueItems": true}', ['Unimplemented keys: ["uniqueItems"]']),
+])  # fmt: skip
+def test_chat_json_schema_flag_names_what_is_wrong(model, tmp_path, capsys, content, words):
+    from examples import chat
+
+    path = tmp_path / "schema.json"
+    path.write_text(content)
+    assert chat.main(["--model", str(model.path), "--prompt", "Hi", "--json-schema", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--json-schema {path}" in err
+    for word in words:
+        assert word in err
+    missing = tmp_path / "absent.json"
+    assert chat.main(["--model", str(model.path), "--prompt", "Hi", "--json-schema", str(missing)]) == 2
+    assert f"--json-schema {missing}" in capsys.readouterr().err

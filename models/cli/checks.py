@@ -26,6 +26,7 @@ def check_args(args: argparse.Namespace) -> str | None:
         return flag_error(err)
     try:
         read_chat_template(getattr(args, "chat_template", None))  # read again for the session; here before the load
+        read_json_schema(getattr(args, "json_schema", None))
     except ValueError as err:
         return str(err)
     transcript = getattr(args, "transcript", None)
@@ -42,6 +43,8 @@ def check_parallel_flags(args: argparse.Namespace) -> str | None:
     for flag in ("draft_model", "prompt_cache"):
         if getattr(args, flag, None):
             return f"--{flag.replace('_', '-')} does not work with --parallel (each rank holds only part of the model)"
+    if getattr(args, "json_schema", None):
+        return "--json-schema does not work with --parallel (the ranks' sampling carries no grammar state)"
     if getattr(args, "prompt", None) == "-":
         return ("--prompt - does not work with --parallel: mlx.launch never closes the ranks' standard input, so "
                 "reading it to its end waits for ever; pass the text itself, e.g. --prompt \"$(cat FILE)\"")  # fmt: skip
@@ -101,3 +104,21 @@ def read_chat_template(path: str | None) -> str | None:
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"--chat-template {path}: the template is empty")
     return text
+
+
+def read_json_schema(path: str | None) -> dict | None:
+    """The JSON schema of ``--json-schema``: a file holding one JSON object (whether llguidance can
+    compile it is checked once the tokenizer is loaded, ``models.cli.session``)."""
+    if path is None:
+        return None
+    try:
+        text = regular_file(path, f"--json-schema {path}").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--json-schema {path}: cannot read it ({getattr(err, 'strerror', None) or err})") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"--json-schema {path}: not valid JSON ({err})") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"--json-schema {path}: a JSON schema is an object, not a {type(schema).__name__}")
+    return schema

@@ -6,9 +6,10 @@ import argparse
 import secrets
 import sys
 
-from models.cli.checks import read_chat_template
+from models.cli.checks import read_chat_template, read_json_schema
 from models.cli.flags import FLAGS, flag_error, given_sampling, kv_quantization_from_args
 from models.generation.chat import ChatSession
+from models.generation.constraints import Grammar, GrammarError
 from models.generation.generate import GenerationOptionError, SamplingOptions
 
 
@@ -16,6 +17,9 @@ def make_session(model, args: argparse.Namespace) -> ChatSession | None:
     """``session_from_args``, or None after printing why the model cannot take the flags."""
     try:
         return session_from_args(model, args)
+    except GrammarError as err:
+        print(f"error: --json-schema {args.json_schema}: {err}", file=sys.stderr)
+        return None
     except ValueError as err:
         print(f"error: {flag_error(err) if isinstance(err, GenerationOptionError) else err}", file=sys.stderr)
         return None
@@ -42,7 +46,23 @@ def session_from_args(model, args: argparse.Namespace) -> ChatSession:
         draft=getattr(args, "drafter", None),
         num_draft_tokens=getattr(args, "num_draft_tokens", 4),
         allow_control_tokens=getattr(args, "allow_control_tokens", False),
+        grammar=json_schema_grammar(model, args),
     )
+
+
+def json_schema_grammar(model, args: argparse.Namespace) -> Grammar | None:
+    """``--json-schema FILE`` as a grammar every answer must match, compiled against the model's
+    tokenizer now (``GrammarError`` naming the keyword llguidance cannot compile), not at the first turn."""
+    schema = read_json_schema(getattr(args, "json_schema", None))
+    if schema is None:
+        return None
+    if getattr(args, "drafter", None) is not None:
+        raise ValueError("--json-schema does not work with --draft-model (a drafted token is not checked against the grammar)")
+    grammar = Grammar("json_schema", schema)
+    if model.tokenizer is None:
+        raise ValueError(f"--json-schema: {model.path} has no tokenizer to match the grammar against")
+    grammar.check(model.tokenizer, model.vocab_size, model.stop_ids)
+    return grammar
 
 
 def sampling_from_args(model, args: argparse.Namespace) -> tuple[SamplingOptions, dict[str, str]]:

@@ -111,6 +111,7 @@ class ChatSession:
         draft=None,
         num_draft_tokens: int = 4,
         allow_control_tokens: bool = False,
+        grammar=None,
     ):
         # Checked now, not at the first token or when the cache switches to quantized storage.
         check_positive_int("max_tokens", max_tokens)
@@ -120,10 +121,13 @@ class ChatSession:
         if kv_quantization is not None:
             kv_quantization.check()
             kv_quantization.check_model(model.config, str(model.path))
+        if grammar is not None and draft is not None:
+            raise ValueError("ChatSession: constrained decoding (grammar) does not run with a draft model")
         self.model = model
         self.draft, self.num_draft_tokens = draft, num_draft_tokens  # speculative decoding (models.generation.speculative)
         self.chat_template = chat_template  # a Jinja template over the tokenizer's own (see render)
         self.allow_control_tokens = allow_control_tokens  # False: control tokens typed in messages stay text (render_ids)
+        self.grammar = grammar  # a models.generation.constraints.Grammar every answer matches, or None
         self.kv_quantization = kv_quantization
         self.enable_thinking = enable_thinking
         self.sampling = sampling
@@ -244,6 +248,7 @@ class ChatSession:
                 stats=stats,
                 draft=self.draft,
                 num_draft_tokens=self.num_draft_tokens,
+                grammar=self.grammar,
             ):
                 if chunk.token is not None:
                     generated.append(chunk.token)
