@@ -130,8 +130,8 @@ def test_sampled_pairs_fit_over_many_seeds(pair, drafter):
 def accept_every_draft(keep):
     """No rejection sampling: the second token follows the drafter's distribution."""
 
-    def rule(verify, drafts, dists, options):
-        m, token, proposed = keep(verify, drafts, dists, options)
+    def rule(verify, drafts, dists, options, keys):
+        m, token, proposed = keep(verify, drafts, dists, options, keys)
         return len(drafts), mx.array(0), [int(d.item()) for d in drafts]
 
     return rule
@@ -140,10 +140,10 @@ def accept_every_draft(keep):
 def resample_from_p(keep):
     """A rejection resampled from the target's ``p`` instead of the residual ``max(0, p - q)``."""
 
-    def rule(verify, drafts, dists, options):
-        m, token, proposed = keep(verify, drafts, dists, options)
+    def rule(verify, drafts, dists, options, keys):
+        m, token, proposed = keep(verify, drafts, dists, options, keys)
         if m < len(drafts):
-            token = mx.random.categorical(mx.log(distribution(verify[m], options)))
+            token = mx.random.categorical(mx.log(distribution(verify[m], options)), key=keys())
         return m, token, proposed
 
     return rule
@@ -161,3 +161,22 @@ def test_the_chi_square_test_catches_a_wrong_rule(pair, monkeypatch, rule, draft
     counts = samples(target, n, drafter_named(drafter, target, assistant))
     outside = sum(v for c, v in counts.items() if c not in joint)
     assert outside > 0 or chi_square_p(counts, joint, n) < P_VALUE
+
+
+def test_speculative_draws_use_the_request_seed_not_the_global_random_state(pair):
+    """The same seed repeats the same tokens, and a speculative answer leaves MLX's global random
+    state where it was (it draws from its own key stream, as plain sampling does)."""
+    target, assistant = pair
+
+    def answer(seed):
+        options = SamplingOptions(seed=seed, **OPTIONS)
+        return [c.token for c in target.stream(PROMPT, max_tokens=8, sampling=options, draft=assistant, num_draft_tokens=2)]
+
+    mx.random.seed(123)
+    expected_next = mx.random.uniform(shape=(4,)).tolist()
+    mx.random.seed(123)
+    first = answer(7)
+    assert mx.random.uniform(shape=(4,)).tolist() == expected_next
+    mx.random.seed(999)
+    assert answer(7) == first
+    assert len({tuple(answer(seed)) for seed in range(6)}) > 1

@@ -245,6 +245,21 @@ def filter_logprobs(logprobs: mx.array, options: SamplingOptions) -> mx.array:
     return logprobs
 
 
+class RandomKeys:
+    """A conversation's own stream of MLX random keys, from ``seed`` (from the operating system's
+    randomness when None): each call splits off the key of one draw. mlx-lm's samplers draw from
+    MLX's global random state, which concurrent requests and batch rows would share and which one
+    failed call can break for the whole process; a stream of its own makes a conversation's draws
+    depend on its seed alone."""
+
+    def __init__(self, seed: int | None):
+        self.key = mx.random.key(seed if seed is not None else secrets.randbits(63))
+
+    def __call__(self) -> mx.array:
+        self.key, draw = mx.random.split(self.key)
+        return draw
+
+
 class TokenSampler:
     """Picks one conversation's next token from its logits: the argmax at ``temp == 0``, otherwise
     mlx-lm's top-p, min-p and top-k filters (``filter_logprobs``) and a categorical draw. The
@@ -254,17 +269,14 @@ class TokenSampler:
     grammar, ``models.generation.constraints``). With ``keep_logprobs`` the normalised
     log-probabilities of that processed distribution are kept in ``logprobs`` after each call.
 
-    mlx-lm's ``make_sampler`` draws from MLX's global random state, which the rows of a batch would
-    share (a row's tokens would depend on its neighbours and on the order rows are sampled in), and
-    which one failed call can break for the whole process. Here each conversation splits a key of
-    its own, made from ``seed`` (or from the operating system's randomness when there is none), so a
-    request samples the same tokens alone or in any batch, and nothing is shared between requests."""
+    Draws come from the conversation's own ``RandomKeys`` (not mlx-lm's ``make_sampler``, which uses
+    MLX's global random state), so a request samples the same tokens alone or in any batch, and
+    nothing is shared between requests."""
 
     def __init__(self, options: SamplingOptions, context: Sequence[int] = (), *, constraint=None, keep_logprobs: bool = False):
         options.check()
         self.options = options
-        seed = options.seed if options.seed is not None else secrets.randbits(63)
-        self.key = mx.random.key(seed)
+        self.keys = RandomKeys(options.seed)
         self.processors = logits_processors(options)
         self.recent = mx.array(list(context)[-REPETITION_CONTEXT:], dtype=mx.uint32)
         self.constraint = constraint
@@ -286,8 +298,7 @@ class TokenSampler:
         if self.options.temp == 0:  # greedy: the argmax needs no normalising
             token = mx.argmax(logits, axis=-1)
         else:
-            self.key, draw = mx.random.split(self.key)
-            token = mx.random.categorical(filter_logprobs(logprobs, self.options) * (1.0 / self.options.temp), key=draw)
+            token = mx.random.categorical(filter_logprobs(logprobs, self.options) * (1.0 / self.options.temp), key=self.keys())
         if self.processors:
             self.recent = mx.concatenate([self.recent, token.astype(mx.uint32)])[-REPETITION_CONTEXT:]
         self._drawn = token

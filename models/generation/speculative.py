@@ -30,7 +30,7 @@ from graphs.gemma4_assistant import Gemma4AssistantModel
 from graphs.gemma4_assistant_config import DrafterMismatchError
 
 from models.generation.generate import (
-    DEFAULT_PREFILL_STEP, GenerationOptionError, LoopOptions, SamplingOptions, TokenLoop, check_positive_int, filter_logprobs,
+    DEFAULT_PREFILL_STEP, GenerationOptionError, LoopOptions, RandomKeys, SamplingOptions, TokenLoop, check_positive_int, filter_logprobs,
 )  # fmt: skip
 from models.generation.prompt_lookup import PromptLookupDrafter
 from zoo_cpu import fast_math
@@ -65,8 +65,8 @@ def distribution(logits: mx.array, options: SamplingOptions) -> mx.array:
     return mx.softmax(logprobs * (1.0 / options.temp), axis=-1)
 
 
-def _sample(probs: mx.array) -> mx.array:
-    return mx.random.categorical(mx.log(probs))
+def _sample(probs: mx.array, keys: RandomKeys) -> mx.array:
+    return mx.random.categorical(mx.log(probs), key=keys())
 
 
 # ---------------------------------------------------------------------------------------- drafters
@@ -241,8 +241,7 @@ def speculative_tokens(target, drafter, prompt_ids: Sequence[int], cache: list, 
     loop = TokenLoop(prompt_ids, cache, LoopOptions(**options))
     sampling = loop.sampling
     check_speculative_sampling(sampling)
-    if sampling.seed is not None:
-        mx.random.seed(sampling.seed)
+    keys = RandomKeys(sampling.seed)  # the request's own draws, never MLX's global random state
     k_max = check_num_draft_tokens(num_draft_tokens)
     counts = SpeculationCounts()
     loop.stats.speculation = counts
@@ -256,7 +255,7 @@ def speculative_tokens(target, drafter, prompt_ids: Sequence[int], cache: list, 
         if greedy:
             return mx.argmax(logits, axis=-1), None
         probs = distribution(logits, sampling)
-        return _sample(probs), probs
+        return _sample(probs, keys), probs
 
     captured = {}
 
@@ -306,7 +305,7 @@ def speculative_tokens(target, drafter, prompt_ids: Sequence[int], cache: list, 
                     m += 1
                 next_y = mx.array(wanted[m])
             else:
-                m, next_y, proposed = _accept_sampled(verify, drafts, dists, sampling)
+                m, next_y, proposed = _accept_sampled(verify, drafts, dists, sampling, keys)
             counts.accepted += m
             if k - m and not trim_cache(cache, k - m):
                 raise RuntimeError("speculative decoding: the target's caches cannot drop the rejected positions")
@@ -327,7 +326,7 @@ def speculative_tokens(target, drafter, prompt_ids: Sequence[int], cache: list, 
             y = next_y
 
 
-def _accept_sampled(verify: mx.array, drafts: list, dists: list, options: SamplingOptions):
+def _accept_sampled(verify: mx.array, drafts: list, dists: list, options: SamplingOptions, keys: RandomKeys):
     """The rejection-sampling rule: accept draft i with probability ``min(1, p_i(d) / q_i(d))``; at
     the first rejection draw from ``max(0, p_i - q_i)`` normalised; after k acceptances from ``p_k``.
     Returns ``(accepted count, next token, draft ids)``."""
@@ -338,7 +337,7 @@ def _accept_sampled(verify: mx.array, drafts: list, dists: list, options: Sampli
         q = mx.stack(dists)
         p_d = mx.take_along_axis(p[:k], d[:, None], axis=-1)[:, 0]
         q_d = mx.take_along_axis(q, d[:, None], axis=-1)[:, 0]
-        u = mx.random.uniform(shape=(k,))
+        u = mx.random.uniform(shape=(k,), key=keys())
         accept = u * q_d < p_d  # u < p/q without dividing by a zero q
         mx.eval(accept, d)
         accept, proposed = np.array(accept).tolist(), np.array(d).tolist()
@@ -348,9 +347,9 @@ def _accept_sampled(verify: mx.array, drafts: list, dists: list, options: Sampli
     while m < k and accept[m]:
         m += 1
     if m == k:
-        return m, _sample(p[k]), proposed
+        return m, _sample(p[k], keys), proposed
     residual = mx.maximum(p[m] - q[m], 0.0)
     total = residual.sum()
     # A zero residual has probability zero (it needs p == q, where every draft is accepted); p then.
     residual = mx.where(total > 0, residual / mx.maximum(total, 1e-30), p[m])
-    return m, _sample(residual), proposed
+    return m, _sample(residual, keys), proposed
