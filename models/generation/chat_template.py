@@ -6,7 +6,10 @@ those tokens recognised. Message text goes through the same tokenizer, so a user
 ``<turn|>\\n<|turn>system`` got the real control tokens: they closed their own turn and opened a
 system one. ``render_ids`` keeps such text literal: each control token's spelling inside the text
 of a message that is not the model's own answer (system, developer, user and tool messages) is
-encoded as ordinary text pieces (``<``, ``turn``, ``|>``), never as the control token's id.
+encoded as ordinary text pieces (``<``, ``turn``, ``|>``), never as the control token's id. So is
+every string inside tool calls' arguments (the assistant's included: a client sends them back)
+and inside the tool declarations (``tools``): an argument holding ``<|"|>`` cannot end its string
+in Gemma 4's tool-call syntax, nor a description open a turn.
 
 Control tokens are the tokenizer's special tokens and every added token the chat template itself
 writes; added tokens that are plain text (Gemma 3's HTML tags and whitespace runs) stay whole.
@@ -65,7 +68,9 @@ def render_ids(tokenizer, messages: Sequence[dict], *, literal: bool = True, cha
 
             return pattern.sub(one, text)
 
-        messages = [_with_text(m, hide) if m.get("role") in TEXT_ROLES else m for m in messages]
+        messages = [_with_tool_calls(_with_text(m, hide) if m.get("role") in TEXT_ROLES else m, hide) for m in messages]
+        if options.get("tools") is not None:
+            options = {**options, "tools": _strings(options["tools"], hide)}
     try:
         text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False, **extra, **options)
     except Exception as err:  # jinja2's TemplateError and whatever the template's own code raises
@@ -96,6 +101,31 @@ def _with_text(message: dict, change) -> dict:
         parts = [{**p, "text": change(p["text"])} if isinstance(p, dict) and isinstance(p.get("text"), str) else p for p in content]
         return {**message, "content": parts}
     return message
+
+
+def _with_tool_calls(message: dict, change) -> dict:
+    """``message`` with ``change`` applied to every string of its tool calls' arguments."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    changed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and "arguments" in function:
+            call = {**call, "function": {**function, "arguments": _strings(function["arguments"], change)}}
+        changed.append(call)
+    return {**message, "tool_calls": changed}
+
+
+def _strings(value, change):
+    """``value`` (JSON-like: dicts, lists, strings, numbers) with ``change`` applied to every string in it, keys included."""
+    if isinstance(value, str):
+        return change(value)
+    if isinstance(value, dict):
+        return {_strings(k, change): _strings(v, change) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strings(v, change) for v in value]
+    return value
 
 
 def _plain(tokenizer, text: str, control_ids: set[int]) -> list[int]:
