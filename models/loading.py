@@ -125,7 +125,8 @@ _FINAL_NORM = re.compile(r"(?:^|\.)norm\.weight$")
 
 def check_sizes(config, shapes: Mapping[str, Sequence[int]], source: str) -> None:
     """Refuse a config that declares more than the checkpoint's tensors (``shapes``, from the
-    headers) hold: more layers, a larger vocabulary or hidden size, more attention heads. Run before the graph is built, which allocates what the config says: a million layers
+    headers) hold: more layers, a larger vocabulary, hidden size or MLP, more attention heads, more
+    or wider MoE experts. Run before the graph is built, which allocates what the config says: a million layers
     ran the process out of memory (``std::bad_alloc``) before the missing weights were noticed.
     Raises ``ConfigError`` naming the key, its value and what the checkpoint holds."""
     parts = (("text", getattr(config, "text", config)), ("vision", getattr(config, "vision", None)),
@@ -146,10 +147,20 @@ def check_sizes(config, shapes: Mapping[str, Sequence[int]], source: str) -> Non
             head_dim, rows = getattr(sizes, "head_dim", None), _largest(mine, lambda k: k.endswith("q_proj.weight"))
             held["num_attention_heads"] = (None if rows is None or not head_dim else rows // head_dim,
                                            f"heads of head_dim {head_dim} in their widest q_proj")  # fmt: skip
+            held["intermediate_size"] = (_largest(mine, lambda k: _DENSE_MLP.search(k) is not None), "rows in the widest MLP gate/up projection")
+            experts = {k: v for k, v in mine.items() if ".experts." in k and len(v) == 3}
+            held["num_experts"] = (max((v[0] for v in experts.values()), default=None), "experts")
+            held["moe_intermediate_size"] = (max((v[1] // (2 if k.endswith(("gate_up_proj", "gate_up_proj.weight")) else 1)
+                                                  for k, v in experts.items() if _EXPERT_IN.search(k)), default=None),
+                                             "rows per expert in the gate/up projections")  # fmt: skip
         for key, (limit, what) in held.items():
             value = getattr(sizes, key, None)
             if limit is not None and isinstance(value, int) and value > limit:
                 raise ConfigError(f"{source}: {key} is {value}, but the checkpoint's {part} weights hold {limit} {what}")
+
+
+_DENSE_MLP = re.compile(r"\.mlp\.(gate|up)_proj\.weight$")  # a dense MLP's input projections (not the experts')
+_EXPERT_IN = re.compile(r"\.experts\.(gate_up_proj|switch_glu\.(gate|up)_proj)(\.weight)?$")  # [E, (2x) Im, H]
 
 
 def _largest(shapes: Mapping[str, Sequence[int]], chosen) -> int | None:

@@ -258,6 +258,34 @@ def test_sizes_past_what_the_weights_hold_are_named_before_the_graph_is_built(ti
     assert "config.json" in str(info.value) and not built
 
 
+@pytest.fixture(scope="module")
+def tiny_moe_folder(tmp_path_factory):
+    pytest.importorskip("torch")
+    from tests import hf_tiny
+
+    folder = tmp_path_factory.mktemp("sizes") / "t3"
+    hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS["T3"], folder)
+    return folder
+
+
+@pytest.mark.parametrize("changes, words", [
+    (dict(intermediate_size=1 << 20), "intermediate_size is 1048576, but the checkpoint's text weights hold 128 rows in the widest MLP"),
+    (dict(num_experts=4096), "num_experts is 4096, but the checkpoint's text weights hold 4 experts"),
+    (dict(moe_intermediate_size=1 << 20), "moe_intermediate_size is 1048576, but the checkpoint's text weights hold 32 rows per expert"),
+])  # fmt: skip
+def test_mlp_and_expert_sizes_past_the_weights_are_named(tiny_moe_folder, tmp_path, monkeypatch, changes, words):
+    import graphs.gemma4_text
+    import models
+
+    built = []
+    monkeypatch.setattr(graphs.gemma4_text, "Gemma4TextModel", lambda config: built.append(config))
+    with pytest.raises(ConfigError, match=words):
+        models.load(str(with_config(tiny_moe_folder, tmp_path / "edited", **changes)))
+    assert not built
+    monkeypatch.undo()
+    models.load(str(tiny_moe_folder))  # the sizes the weights hold load
+
+
 def test_a_million_layers_is_refused_not_allocated(tmp_path):
     """The reported config: the graph's million layers ran the process out of memory (``std::bad_alloc``
     in ``nn.Linear``) before the missing weights were noticed. In a subprocess capped at 6 GiB, so
