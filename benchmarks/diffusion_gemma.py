@@ -227,7 +227,7 @@ def run_autoregressive(sizes: Sizes, prompt: list[int], blocks: int, steps: int)
     start = time.perf_counter()
     mx.eval(prefill(model.forward, prompt, cache))
     prefill_s = time.perf_counter() - start
-    tokens = generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=blocks * sizes.canvas)
+    tokens = generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=blocks * sizes.canvas, overlap=model.overlap)
     first = next(tokens)
     start = time.perf_counter()
     rest = list(tokens)

@@ -140,7 +140,7 @@ def child(which: str, mode: str, experts: str, prompt_length: int, gen: int, run
     def generate(ids, count):
         cache = model.make_cache()
         begin = time.perf_counter()
-        tokens = generate_tokens(model.forward, ids, cache, max_tokens=count)
+        tokens = generate_tokens(model.forward, ids, cache, max_tokens=count, overlap=model.overlap)
         first = [next(tokens)]
         after_first = time.perf_counter()
         rest = list(tokens)

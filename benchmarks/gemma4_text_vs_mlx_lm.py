@@ -93,7 +93,7 @@ def run_ours(model, prompt: list[int], gen: int) -> tuple[float, float, list[int
 
     cache = model.make_cache()
     start = time.perf_counter()
-    tokens = generate_tokens(model.forward, prompt, cache, max_tokens=gen, prefill_step_size=DEFAULT_PREFILL_STEP)
+    tokens = generate_tokens(model.forward, prompt, cache, max_tokens=gen, prefill_step_size=DEFAULT_PREFILL_STEP, overlap=model.overlap)
     ids = [next(tokens)]
     first = time.perf_counter()
     ids += list(tokens)

@@ -155,7 +155,7 @@ def ours(path: str, text: str, photo: str, budget: int):
         processed = time.perf_counter()
         prompt = model.prompt(ids, images)  # vision tower + embedder (evaluated), placeholder expansion
         encoded = time.perf_counter()
-        tokens = generate_tokens(model.forward, prompt.ids, model.make_cache(), max_tokens=gen + 1, images=prompt.images)
+        tokens = generate_tokens(model.forward, prompt.ids, model.make_cache(), max_tokens=gen + 1, images=prompt.images, overlap=model.overlap)
         out, first, end = take(tokens, gen + 1)
         tokens.close()
         mx.synchronize()  # the step queued behind the last token, before the next run

@@ -35,7 +35,7 @@ def run_ours(path: str, prompt: list[int], gen: int, bits: int | None):
     model = models.load(path, tokenizer=False)
     cache = model.make_cache()
     kv = KVQuantization(bits, 64, start=0) if bits else None
-    tokens = generate_tokens(model.forward, prompt, cache, max_tokens=gen, kv_quantization=kv)
+    tokens = generate_tokens(model.forward, prompt, cache, max_tokens=gen, kv_quantization=kv, overlap=model.overlap)
     next(tokens)
     start = time.perf_counter()
     n = sum(1 for _ in tokens)

@@ -55,7 +55,7 @@ def decode(model, last: int, cache: list, gen: int) -> tuple[float, list[int]]:
     """Greedy tokens after ``last`` through the users' loop: (decode tok/s, the ids)."""
     from models.generation.generate import generate_tokens
 
-    tokens = generate_tokens(model.forward, [last], cache, max_tokens=gen)
+    tokens = generate_tokens(model.forward, [last], cache, max_tokens=gen, overlap=model.overlap)
     ids = [next(tokens)]
     first = time.perf_counter()
     ids += list(tokens)

@@ -79,7 +79,7 @@ def timed(fn):
 
 def plain_run(model, prompt, gen):
     stats = GenerationStats()
-    tokens = list(generate_tokens(model._forward, prompt, model.make_cache(), max_tokens=gen, stats=stats))
+    tokens = list(generate_tokens(model._forward, prompt, model.make_cache(), max_tokens=gen, stats=stats, overlap=model.overlap))
     return tokens, stats
 
 

@@ -284,7 +284,8 @@ def run_ours(state: dict, prompt: list[int], gen: int):
     model = state["model"]
     cache = model.make_cache()
     start = time.perf_counter()
-    tokens = generate_tokens(model.forward, prompt, cache, max_tokens=gen, overlap=state.get("overlap"))
+    overlap = state["overlap"] if state.get("overlap") is not None else model.overlap  # the plan's, as Model.stream
+    tokens = generate_tokens(model.forward, prompt, cache, max_tokens=gen, overlap=overlap)
     ids = [next(tokens)]
     first = time.perf_counter()
     ids += list(tokens)

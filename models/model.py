@@ -107,6 +107,12 @@ class Model(MediaMixin):
         return self._forward(ids, cache, image_features=mx.concatenate([s.features for s in prompt.images]))
 
     @property
+    def overlap(self) -> bool:
+        """Whether a decode loop queues the next step before it reads a token (the device plan's
+        ``overlap``: the accelerator plan, where the device runs ahead of Python; mlx-lm's overlap)."""
+        return self.plan is not None and self.plan.overlap
+
+    @property
     def vocab_size(self) -> int:
         """The rows of the embedding table: every id must be in ``[0, vocab_size)``."""
         return getattr(self.config, "text", self.config).vocab_size
@@ -294,8 +300,7 @@ class Model(MediaMixin):
             drafter = make_drafter(draft, self)
             tokens = speculative_tokens(self, drafter, prompt.ids, cache, num_draft_tokens=num_draft_tokens, **loop)
         else:
-            overlap = self.plan is not None and self.plan.overlap  # the next step queued before a token is read
-            tokens = generate_tokens(self._forward, prompt.ids, cache, overlap=overlap, constraint=constraint, **loop)
+            tokens = generate_tokens(self._forward, prompt.ids, cache, overlap=self.overlap, constraint=constraint, **loop)
         for token in tokens:
             detokenizer.add_token(token)
             yield Chunk(detokenizer.last_segment, token, stats)
