@@ -69,6 +69,8 @@ def test_wheel_names_only_allowed_top_level_packages_and_no_startup_files(instal
     assert top == ALLOWED_TOP_LEVEL, top
     assert not [n for n in names if n.endswith(".pth")], "the wheel installs a startup file"
     assert "zoo_cpu/_build.json" in names  # the extension's build record (built or why not)
+    page = {f"models/serving/page/{name}" for name in ("index.html", "app.js", "style.css")}
+    assert page <= set(names), f"the chat page's files are not package data: {page - set(names)}"
     code = """
         import json
         from importlib import metadata

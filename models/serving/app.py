@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (server-sent events with
 ``stream: true``, ``stream_options.include_usage`` for a last usage chunk), ``GET /v1/models``,
-``GET /health``, ``GET /metrics``; an embedding model is served by ``models.serving.embeddings``
+``GET /health``, ``GET /metrics``, the chat page at ``/`` and its ``GET /props``
+(``models.serving.page``); an embedding model is served by ``models.serving.embeddings``
 (``POST /v1/embeddings``). Errors are OpenAI-shaped bodies (``{"error": {"message", "type",
 "param", "code"}}``) with a 4xx naming the fault; the server keeps serving after any of them.
 
@@ -55,6 +56,7 @@ from models.serving.guard import Guard, loads
 from models.serving.logprobs import TokenTexts
 from models.serving.media import Media, MediaPolicy, media_counts, open_image, template_messages
 from models.serving.output import Delta, Markers, OutputParser
+from models.serving.page import page_routes
 from models.serving.schemas import APIError, ChatRequest, CompletionRequest, parse
 from models.serving.tool_grammar import tool_call_grammar
 
@@ -583,6 +585,7 @@ def make_app(model, engine: Engine, settings: ServerSettings) -> Starlette:
         model_list_route(settings, server.started),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        *page_routes(model, settings.model_id, server.context),
     ]
 
     @contextlib.asynccontextmanager

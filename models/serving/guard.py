@@ -5,7 +5,8 @@
 - the ``Host`` header must name this server (loopback names by default, any port; more with
   ``--allowed-host``): a web page the user visits cannot reach a loopback server by DNS rebinding,
   since its requests carry the attacker's host name;
-- with an API key, every route but ``/health`` needs ``Authorization: Bearer KEY`` (else 401);
+- with an API key, every route but ``/health`` and the chat page's files needs
+  ``Authorization: Bearer KEY`` (else 401);
 - a POST must say ``Content-Type: application/json`` (else 415): the content types a web page may
   send cross-site without a CORS preflight (``text/plain``, forms) are refused, and the server
   answers no preflight, so a blind cross-site POST never reaches a handler.
@@ -23,11 +24,13 @@ from typing import Iterable
 
 from starlette.responses import JSONResponse
 
+from models.serving.page import PAGE_FILES
 from models.serving.schemas import APIError
 from weights.json_depth import nesting_depth
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-OPEN_PATHS = frozenset({"/health"})  # answered without the API key (a liveness probe)
+# Answered without the API key: a liveness probe; the chat page, which asks for the key itself.
+OPEN_PATHS = frozenset({"/health", *PAGE_FILES})
 MAX_DEPTH = 64  # arrays and objects inside each other; a tool's JSON schema needs a dozen
 MAX_INT_DIGITS = 40  # 2**128 has 39 digits; every integer the API takes is far smaller
 
