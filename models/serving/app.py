@@ -51,9 +51,11 @@ from models.generation.chat_template import render_ids
 from models.generation.generate import GenerationOptionError, SamplingOptions
 from models.generation.batch import BatchRequest
 from models.generation.constraints import Grammar, GrammarError
+from models.generation.speculative import check_num_draft_tokens, check_speculative_sampling
 from models.serving.engine import DiffusionRequest, Engine, Event, QueueFull
 from models.serving.guard import Guard, loads
 from models.serving.logprobs import TokenTexts
+from models.serving.lookup import LookupRequest
 from models.serving.media import Media, MediaPolicy, media_counts, open_image, template_messages
 from models.serving.output import Delta, Markers, OutputParser
 from models.serving.page import page_routes
@@ -210,6 +212,8 @@ class Server:
                     raise APIError(400, f"{option}: DiffusionGemma samples by its own schedule; leave {option} out", option)
             if req.n != 1:
                 raise APIError(400, "n: DiffusionGemma runs one choice per request", "n")
+            if req.speculative is not None:
+                raise APIError(400, "speculative: DiffusionGemma denoises whole blocks; it takes no drafts", "speculative")
             if self.grammar(req) is not None:
                 raise APIError(400, "DiffusionGemma denoises whole blocks; its answers cannot be constrained by a grammar", None)
             stop_ids = frozenset(self.model.defaults.eos_token_id)
@@ -231,7 +235,27 @@ class Server:
             await anyio.to_thread.run_sync(self._check_grammar, grammar[0], grammar[1], limiter=self.tokenizing)
         request = BatchRequest(ids, max_tokens=max_tokens, sampling=sampling, images=images, audio=audio, videos=videos, n=req.n,
                                logprobs=req.top_count, grammar=None if grammar is None else grammar[0])  # fmt: skip
+        if req.speculative is not None:
+            request = self.lookup(req, request, grammar)
         return Prepared(request, prompt_tokens, parsers)
+
+    @staticmethod
+    def lookup(req, request: BatchRequest, grammar) -> LookupRequest:
+        """``request`` to run with prompt-lookup drafts (``models.serving.lookup``), or a 400 naming
+        what the speculative loop cannot do: several choices, a grammar, log-probabilities, penalties."""
+        if req.n != 1:
+            raise APIError(400, "speculative: drafts run one choice per request; send n: 1", "n")
+        if grammar is not None:
+            raise APIError(400, f"speculative: constrained decoding ({grammar[1]}) does not run with drafts", grammar[1])
+        if req.top_count is not None:
+            raise APIError(400, "speculative: log-probabilities are not reported with drafts", "logprobs")
+        try:
+            check_speculative_sampling(request.sampling)
+            drafts = check_num_draft_tokens(req.speculative.num_speculative_tokens)
+        except GenerationOptionError as err:
+            param = {"num_draft_tokens": "speculative.num_speculative_tokens"}.get(err.argument, err.argument)
+            raise APIError(400, f"speculative: {param}={err.value!r}: {err.requirement}", param) from None
+        return LookupRequest(request, drafts)
 
     def grammar(self, req) -> tuple[Grammar, str] | None:
         """The grammar the request's answer must match and the option that asks for it, or None."""

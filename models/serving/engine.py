@@ -10,6 +10,9 @@ Admission control: at most ``max_batch`` requests run and ``max_queue`` wait; pa
 raises ``QueueFull`` (the server answers 429 with ``Retry-After``). Every request keeps its own
 caches (``models.generation.batch``): no request can see another's.
 
+A request that asks for prompt-lookup speculation (a ``LookupRequest``, ``models.serving.lookup``)
+runs beside the batch, one verify forward per engine turn.
+
 DiffusionGemma denoises whole blocks, so its requests run one at a time through
 ``models.generation.diffusion``; each committed block is delivered as it commits, and a request may
 ask for every denoising step too (``canvas``).
@@ -31,6 +34,7 @@ import numpy as np
 
 from models.generation.batch import BatchGenerator
 from models.generation.generate import KVQuantization
+from models.serving.lookup import LookupRequest, LookupRun
 
 log = logging.getLogger("models.serving")
 
@@ -120,6 +124,7 @@ class Engine:
         self._lock = threading.Lock()
         self._outstanding = 0
         self._tickets: dict[int, Ticket] = {}
+        self._lookups: dict[Ticket, LookupRun] = {}  # prompt-lookup requests, in submission order
         self._diffusion_queue: deque[Ticket] = deque()
         self._diffusion_running = False
         self._stopping = False
@@ -174,19 +179,22 @@ class Engine:
 
     @property
     def running(self) -> int:
-        return self.generator.running if self.generator is not None else int(self._diffusion_running)
+        return self.generator.running + len(self._lookups) if self.generator is not None else int(self._diffusion_running)
 
     # ------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         while not self._stopping:
-            idle = not (self.generator.busy if self.generator is not None else self._diffusion_queue)
+            idle = not (self.generator.busy or self._lookups if self.generator is not None else self._diffusion_queue)
             if not self._take_inbox(block=idle):
                 break
             try:
                 if self.diffusion:
                     self._diffusion_step()
-                elif self.generator.busy:
+                    continue
+                if self.generator.busy:
                     self._batch_step()
+                for ticket in list(self._lookups):
+                    self._lookup_step(ticket)
             except Exception:  # a bug, not a bad request: fail what runs, keep serving
                 log.error("engine step failed:\n%s", traceback.format_exc())
                 self._fail_all(traceback.format_exc(limit=1).strip().splitlines()[-1])
@@ -211,6 +219,13 @@ class Engine:
         if self.diffusion:
             self._diffusion_queue.append(ticket)
             return
+        if isinstance(ticket.request, LookupRequest):
+            try:
+                self._lookups[ticket] = LookupRun(self.model, ticket.request, prefill_step_size=self.prefill_step_size,
+                                                  kv_quantization=self.kv_quantization)  # fmt: skip
+            except (ValueError, TypeError) as err:
+                self._finish(ticket, Event([], "error", error=str(err)))
+            return
         try:
             ticket.request_id = self.generator.submit(ticket.request)
         except (ValueError, TypeError) as err:
@@ -226,7 +241,11 @@ class Engine:
             else:
                 ticket.cancel_requested = True
             return
-        if ticket.request_id is not None:
+        if ticket in self._lookups:
+            run = self._lookups.pop(ticket)
+            run.close()
+            self._finish(ticket, Event([], "cancelled", run.prompt_tokens, run.stats.generation_tokens))
+        elif ticket.request_id is not None:
             self.generator.cancel(ticket.request_id, choice)
 
     def _finish(self, ticket: Ticket, event: Event) -> None:
@@ -261,11 +280,30 @@ class Engine:
         self.metrics.generated_tokens += produced
         self.metrics.recent.append((time.monotonic(), produced))
 
+    def _lookup_step(self, ticket: Ticket) -> None:
+        """One verify forward of a prompt-lookup request; its tokens delivered, its end finished."""
+        run = self._lookups[ticket]
+        try:
+            tokens, reason = run.step()
+        except ValueError as err:  # a request the model refuses (a prompt past the context, a bad image)
+            del self._lookups[ticket]
+            self._finish(ticket, Event([], "error", error=str(err)))
+            return
+        self.metrics.generated_tokens += len(tokens)
+        self.metrics.recent.append((time.monotonic(), len(tokens)))
+        event = Event(tokens, reason, run.prompt_tokens, run.stats.generation_tokens)
+        if reason is None:
+            ticket.deliver(event)
+        else:
+            del self._lookups[ticket]
+            self._finish(ticket, event)
+
     def _fail_all(self, why: str) -> None:
-        for ticket in list(self._tickets.values()) + list(self._diffusion_queue):
+        for ticket in list(self._tickets.values()) + list(self._diffusion_queue) + list(self._lookups):
             if not ticket.done:
                 self._finish(ticket, Event([], "error", error=f"internal error: {why}"))
         self._tickets.clear()
+        self._lookups.clear()
         self._diffusion_queue.clear()
         self._diffusion_running = False
         if self.generator is not None:

@@ -6,7 +6,9 @@ that we cannot honour (``best_of``, ``echo``, ``suffix``) are accepted only at t
 any other value is a 400 naming the option. ``top_k``, ``min_p`` and ``repetition_penalty``
 (multiplicative, as transformers' and vLLM's) are accepted as extensions (mlx-lm's server takes them
 too), as is ``chat_template_kwargs.enable_thinking`` (vLLM's spelling); ``canvas_events`` asks a
-DiffusionGemma server for its denoising steps.
+DiffusionGemma server for its denoising steps; ``speculative`` asks for prompt-lookup drafts, in the
+keys of vLLM's ``--speculative-config`` (``method: "ngram"``, ``num_speculative_tokens``), which
+vLLM sets for a whole server and we take per request.
 """
 
 from __future__ import annotations
@@ -128,6 +130,11 @@ class ResponseFormat(Strict):
         return self
 
 
+class Speculative(Strict):
+    method: Literal["ngram"]  # vLLM's name for prompt-lookup drafts
+    num_speculative_tokens: int = Field(4, ge=1)
+
+
 class FunctionName(Strict):
     name: str
 
@@ -166,6 +173,7 @@ class Sampling(Strict):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    speculative: Speculative | None = None
 
     @field_validator("stop")
     @classmethod
