@@ -16,6 +16,7 @@ installed (Debian: ``apt-get install chromium chromium-driver``).
 from __future__ import annotations
 
 import base64
+import json
 import shutil
 import time
 import urllib.request
@@ -176,10 +177,39 @@ def test_page_streams_attaches_an_image_and_stops(browser, vision_model, photo):
         assert finished_answer(browser, 4)
 
 
-def test_page_asks_for_the_api_key(browser, tmp_path):
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory):
+    return models.load(str(save_random_chat(tmp_path_factory.mktemp("page-text"))))
+
+
+def test_page_files_are_open_and_props_need_the_key(text_model, vision_model):
+    """Without a browser: the page's files (with their policy) open without the key; ``/props``
+    needs it and says what the page shows."""
+    from models.serving.page import page_file
+
+    with running_server(text_model, api_key="sesame") as url:
+        for path, name, kind in (("/", "index.html", "text/html"), ("/page/app.js", "app.js", "text/javascript"),
+                                 ("/page/style.css", "style.css", "text/css")):  # fmt: skip
+            with urllib.request.urlopen(url + path) as response:
+                assert response.read() == page_file(name) and response.headers["Content-Type"].startswith(kind)
+                assert response.headers["Content-Security-Policy"] == CONTENT_SECURITY_POLICY
+                assert response.headers["X-Content-Type-Options"] == "nosniff"
+        assert http(f"{url}/props")[0] == 401
+        request = urllib.request.Request(f"{url}/props", headers={"Authorization": "Bearer sesame"})
+        with urllib.request.urlopen(request) as response:
+            props = json.loads(response.read())
+        assert props == {"model": "tiny", "context_length": text_model.max_context, "thinking": True,
+                         "modalities": {"vision": False, "audio": False}}  # fmt: skip
+    with running_server(vision_model) as url:
+        assert http(f"{url}/props")[1]["modalities"] == {"vision": True, "audio": False}
+    script = page_file("app.js").decode()
+    assert "innerHTML" not in script and "insertAdjacentHTML" not in script and "eval(" not in script
+
+
+def test_page_asks_for_the_api_key(browser, text_model):
     from selenium.webdriver.common.by import By
 
-    model = models.load(str(save_random_chat(tmp_path / "text")))
+    model = text_model
     with running_server(model, checkpoint_sampling=False, api_key="sesame") as url:
         assert http(f"{url}/props")[0] == 401
         browser.get(url + "/")
