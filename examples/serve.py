@@ -3,12 +3,12 @@
     python -m examples.serve --model NAME_OR_PATH [--host 127.0.0.1] [--port 8080]
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streaming with "stream": true),
-GET /v1/models, GET /health, GET /metrics. Requests are batched continuously (--max-batch rows
-at once, --max-queue waiting; past that a 429 with Retry-After). Media parts: data: URLs always;
-local files only under --allowed-media-dir; http(s) only with --allow-network-media. Thinking is
-off unless a request asks for it. --api-key KEY requires a Bearer key (all but /health); only
-loopback Host names (and --allowed-host ones) are answered; POST bodies must be JSON. A request's
-sampling fields win; those it leaves out come from --temp, --top-p, ... and then from the
+GET /v1/models, GET /health, GET /metrics, and a chat page at / (with GET /props). Requests are
+batched continuously (--max-batch rows at once, --max-queue waiting; past that a 429 with
+Retry-After). Media parts: data: URLs always; local files only under --allowed-media-dir; http(s)
+only with --allow-network-media. Thinking is off unless a request asks for it. --api-key KEY
+requires a Bearer key (all but /health and the page's files); only loopback Host names (and
+--allowed-host ones) are answered; POST bodies must be JSON. A request's sampling fields win; those it leaves out come from --temp, --top-p, ... and then from the
 checkpoint's generation_config.json, as vLLM's --generation-config auto takes them
 (--ignore-checkpoint-sampling: greedy unless told); the startup line says which. Needs the
 server extra: pip install -e ".[server]". docs/server.md.
@@ -134,7 +134,8 @@ def main(argv=None) -> int:
         return 2
     engine.start()
     logging.basicConfig(level=args.log_level.upper())
-    print(f"serving {settings.model_id} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    print(f"serving {settings.model_id} on http://{args.host}:{args.port}/v1 (chat page: http://{args.host}:{args.port}/)",
+          file=sys.stderr, flush=True)  # fmt: skip
     if not engine.diffusion:
         options, sources = model.sampling_options(checkpoint_defaults=settings.checkpoint_sampling, seed=args.seed, **given)
         print(f"[requests' defaults: {describe_sampling(options, flag_sources(sources))}]", file=sys.stderr, flush=True)

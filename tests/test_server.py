@@ -453,7 +453,8 @@ def test_a_failing_step_is_a_500_and_the_server_goes_on(answer_model, monkeypatc
 
 
 def test_the_one_command_serves(answer_model):
-    """``python -m examples.serve`` as a user starts it: loads the folder, binds to loopback, answers."""
+    """``python -m examples.serve`` as a user starts it: loads the folder, binds to loopback, answers,
+    shows the chat page."""
     import subprocess
     import sys
 
@@ -473,6 +474,12 @@ def test_the_one_command_serves(answer_model):
                 time.sleep(0.5)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         assert client.chat.completions.create(model="tiny", messages=USER, max_tokens=40).choices[0].message.content == ANSWER
+        import urllib.request
+
+        from models.serving.page import page_file
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/") as page:  # the chat page (tests/test_chat_page.py)
+            assert page.read() == page_file("index.html")
     finally:
         process.terminate()
         process.wait(timeout=30)

@@ -179,7 +179,8 @@ def test_json_schemas_validate_streamed_and_not_alone_and_batched(model, url):
     with ThreadPoolExecutor(4) as pool:
         batched, streams = list(pool.map(plain, jobs)), list(pool.map(streamed, jobs))
     # Greedy answers (odd i) equal alone, batched and streamed; seeded ones (even i) are only validated:
-    # two batched runs of a seeded constrained request have differed late in a long string (not yet explained).
+    # two batched runs of a seeded constrained request have differed late in a long string: a row's logits
+    # move in their last bits with its batch neighbours (docs/server.md, "Seeded answers in a batch").
     assert [batched[i] for i in (1, 3)] == [alone[i] for i in (1, 3)]
     assert [streams[i] for i in range(1, 10, 2)] == [batched[i] for i in range(1, 10, 2)]
     for (_, name), text in [*zip(jobs, batched), *zip(jobs, streams)]:
