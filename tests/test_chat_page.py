@@ -7,8 +7,10 @@ thinking toggle (Gemma 4's template takes ``enable_thinking``) and the attach bu
 message is answered by a streamed answer equal to the same request sent without streaming
 (greedy); an attached image is sent and answered as the same request with the image as a data URL;
 Stop ends a long generation, the server stops generating for it, and the next message is served.
-With ``--api-key`` on a text-only checkpoint: the page itself opens without the key, asks for it,
-says when a wrong one is refused, then works; no attach button (no tower). Every page response
+With ``--api-key`` on a scripted text-only checkpoint: the page itself opens without the key, asks
+for it, says when a wrong one is refused, then works; no attach button (no tower); an answer made
+of HTML markup is shown as that text, no element made of it; with thinking switched on the thought
+shows apart from the answer. Every page response
 carries the Content-Security-Policy. Skips, with the reason, where chromium or chromedriver is not
 installed (Debian: ``apt-get install chromium chromium-driver``).
 """
@@ -30,7 +32,7 @@ webdriver = pytest.importorskip("selenium.webdriver")
 
 import models  # noqa: E402
 from models.serving.page import CONTENT_SECURITY_POLICY  # noqa: E402
-from tests.server_tiny import http, running_server, save_random_chat  # noqa: E402
+from tests.server_tiny import http, running_server  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -177,9 +179,23 @@ def test_page_streams_attaches_an_image_and_stops(browser, vision_model, photo):
         assert finished_answer(browser, 4)
 
 
+HOSTILE = "<b>Paris</b> <img src=x onerror=alert(1)>"  # the answer: markup the page must show as text
+THOUGHT = "The user asks about Paris"
+
+
 @pytest.fixture(scope="module")
 def text_model(tmp_path_factory):
-    return models.load(str(save_random_chat(tmp_path_factory.mktemp("page-text"))))
+    """A scripted text-only Gemma 4 (``tests.server_tiny.save_scripted``): greedy, it answers
+    ``HOSTILE``, and with thinking on thinks ``THOUGHT`` first."""
+    from transformers import AutoTokenizer
+
+    from tests.server_tiny import CHANNEL_CLOSE, CHANNEL_OPEN, NEWLINE, TURN_CLOSE, distinct, gemma4_tokenizer_dir, save_scripted, text_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(gemma4_tokenizer_dir())
+    taken: set = set()
+    answer = [CHANNEL_CLOSE, *distinct(tokenizer, text_ids(tokenizer, HOSTILE), taken), TURN_CLOSE]
+    thought = [NEWLINE, CHANNEL_OPEN, *distinct(tokenizer, text_ids(tokenizer, "thought\n" + THOUGHT), taken), CHANNEL_CLOSE]
+    return models.load(str(save_scripted(tmp_path_factory.mktemp("page-text"), [answer, thought])))
 
 
 def test_page_files_are_open_and_props_need_the_key(text_model, vision_model):
@@ -223,5 +239,13 @@ def test_page_asks_for_the_api_key(browser, text_model):
         wait_for(lambda: text_of(browser, "#model-name") == "tiny", what="the model's name after the key")
         assert browser.execute_script("return sessionStorage.getItem('gemma-zoo-api-key')") == "sesame"
         assert not browser.find_element(By.ID, "attach-label").is_displayed()  # no tower, no attach button
-        send(browser, "Hello", 8)
-        assert finished_answer(browser, 1)
+        # Model text is shown as text: the markup arrives whole and no element is made of it.
+        send(browser, "Tell me about Paris", 60)
+        assert finished_answer(browser, 1) == HOSTILE
+        assert text_of(browser, ".turn.assistant .reasoning") == ""
+        assert not browser.find_elements(By.CSS_SELECTOR, "#log b, #log img")
+        # The thinking switch: the thought streams apart from the answer.
+        browser.find_element(By.ID, "thinking").click()
+        send(browser, "Tell me about Paris", 60)
+        assert finished_answer(browser, 2) == HOSTILE
+        assert answers(browser)[1].find_element(By.CSS_SELECTOR, ".reasoning").get_property("textContent") == THOUGHT
