@@ -68,17 +68,19 @@ def test_the_engine_delivers_the_plain_loops_tokens(model):
     prompt = model.encode(PROMPT)
     expected = greedy_ids(model, prompt, 40, temp=0.0)
 
-    engine = Engine(model, max_batch=2).start()
+    engine = Engine(model, max_batch=1).start()  # one row: the second request waits for the first
     try:
-        events = queue.SimpleQueue()
-        ticket = engine.submit(LookupRequest(BatchRequest(prompt, max_tokens=40, sampling=SamplingOptions(temp=0.0)), 3), events.put)
-        delivered = []
-        while True:
-            event = events.get(timeout=120)
-            delivered += event.tokens
-            if event.finish_reason is not None:
-                break
-        assert delivered == expected and ticket.done and engine.running == 0
+        order, events = [], queue.SimpleQueue()
+        request = LookupRequest(BatchRequest(prompt, max_tokens=40, sampling=SamplingOptions(temp=0.0)), 3)
+        for i in range(2):
+            engine.submit(request, lambda e, i=i: events.put((i, e)))
+        delivered = {0: [], 1: []}
+        while sum(finished for _, finished in order) < 2:
+            i, event = events.get(timeout=120)
+            delivered[i] += event.tokens
+            order.append((i, event.finish_reason is not None))
+        assert delivered[0] == delivered[1] == expected and engine.running == 0
+        assert order.index((0, True)) < next(k for k, (i, _) in enumerate(order) if i == 1), order
     finally:
         engine.stop()
 

@@ -11,6 +11,7 @@ raises ``QueueFull`` (the server answers 429 with ``Retry-After``). Every reques
 caches (``models.generation.batch``): no request can see another's.
 
 A request that asks for prompt-lookup speculation (a ``LookupRequest``, ``models.serving.lookup``)
+starts once the batch's rows and the other such requests leave one of the ``max_batch`` free, then
 runs beside the batch, one verify forward per engine turn.
 
 DiffusionGemma denoises whole blocks, so its requests run one at a time through
@@ -124,7 +125,8 @@ class Engine:
         self._lock = threading.Lock()
         self._outstanding = 0
         self._tickets: dict[int, Ticket] = {}
-        self._lookups: dict[Ticket, LookupRun] = {}  # prompt-lookup requests, in submission order
+        self._lookups: dict[Ticket, LookupRun] = {}  # prompt-lookup requests running, in submission order
+        self._lookup_waiting: deque[Ticket] = deque()  # and waiting for a free row
         self._diffusion_queue: deque[Ticket] = deque()
         self._diffusion_running = False
         self._stopping = False
@@ -184,7 +186,8 @@ class Engine:
     # ------------------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         while not self._stopping:
-            idle = not (self.generator.busy or self._lookups if self.generator is not None else self._diffusion_queue)
+            lookups = self._lookups or self._lookup_waiting
+            idle = not (self.generator.busy or lookups if self.generator is not None else self._diffusion_queue)
             if not self._take_inbox(block=idle):
                 break
             try:
@@ -193,6 +196,7 @@ class Engine:
                     continue
                 if self.generator.busy:
                     self._batch_step()
+                self._start_lookups()
                 for ticket in list(self._lookups):
                     self._lookup_step(ticket)
             except Exception:  # a bug, not a bad request: fail what runs, keep serving
@@ -220,11 +224,7 @@ class Engine:
             self._diffusion_queue.append(ticket)
             return
         if isinstance(ticket.request, LookupRequest):
-            try:
-                self._lookups[ticket] = LookupRun(self.model, ticket.request, prefill_step_size=self.prefill_step_size,
-                                                  kv_quantization=self.kv_quantization)  # fmt: skip
-            except (ValueError, TypeError) as err:
-                self._finish(ticket, Event([], "error", error=str(err)))
+            self._lookup_waiting.append(ticket)
             return
         try:
             ticket.request_id = self.generator.submit(ticket.request)
@@ -241,7 +241,10 @@ class Engine:
             else:
                 ticket.cancel_requested = True
             return
-        if ticket in self._lookups:
+        if ticket in self._lookup_waiting:
+            self._lookup_waiting.remove(ticket)
+            self._finish(ticket, Event([], "cancelled"))
+        elif ticket in self._lookups:
             run = self._lookups.pop(ticket)
             run.close()
             self._finish(ticket, Event([], "cancelled", run.prompt_tokens, run.stats.generation_tokens))
@@ -280,6 +283,16 @@ class Engine:
         self.metrics.generated_tokens += produced
         self.metrics.recent.append((time.monotonic(), produced))
 
+    def _start_lookups(self) -> None:
+        """Start waiting prompt-lookup requests while rows are free."""
+        while self._lookup_waiting and self.generator.running + len(self._lookups) < self.max_batch:
+            ticket = self._lookup_waiting.popleft()
+            try:
+                self._lookups[ticket] = LookupRun(self.model, ticket.request, prefill_step_size=self.prefill_step_size,
+                                                  kv_quantization=self.kv_quantization)  # fmt: skip
+            except (ValueError, TypeError) as err:
+                self._finish(ticket, Event([], "error", error=str(err)))
+
     def _lookup_step(self, ticket: Ticket) -> None:
         """One verify forward of a prompt-lookup request; its tokens delivered, its end finished."""
         run = self._lookups[ticket]
@@ -299,11 +312,12 @@ class Engine:
             self._finish(ticket, event)
 
     def _fail_all(self, why: str) -> None:
-        for ticket in list(self._tickets.values()) + list(self._diffusion_queue) + list(self._lookups):
+        for ticket in [*self._tickets.values(), *self._diffusion_queue, *self._lookups, *self._lookup_waiting]:
             if not ticket.done:
                 self._finish(ticket, Event([], "error", error=f"internal error: {why}"))
         self._tickets.clear()
         self._lookups.clear()
+        self._lookup_waiting.clear()
         self._diffusion_queue.clear()
         self._diffusion_running = False
         if self.generator is not None:
