@@ -2,7 +2,7 @@
 ``batch_generate`` on the same converted folder, float32, the same fast BLAS, in one run.
 
     python -m benchmarks.batching [--batches 1,4,8,16 --prompt 128 --gen 32 --rounds 2]
-    python -m benchmarks.batching --smoke   # a tiny random Gemma 3, batches 1 and 3, one round (benchmarks.smoke)
+    python -m benchmarks.batching --smoke   # a tiny random Gemma 3, a batch of 3, one round (benchmarks.smoke)
 
 Each (stack, batch size) runs in its own process: ``B`` prompts of about ``--prompt`` tokens (BOS +
 random ids, lengths staggered by 8 so the rows sit at different positions), ``--gen`` greedy tokens
@@ -159,14 +159,14 @@ def main() -> None:
 
     from benchmarks.speed import bandwidth_gbs, gemma3_folder, weights_per_token
 
-    folder = gemma3_folder()
+    folder = smoke.tiny_checkpoint("gemma3") if args.smoke else gemma3_folder()
     if args.smoke:
-        folder = smoke.tiny_checkpoint("gemma3")
-        args.batches, args.prompt, args.gen, args.rounds, args.system, args.system_length = "1,3", 24, 4, 1, True, 64
+        # every stack once, at one batch size whose rows sit at different positions
+        args.batches, args.prompt, args.gen, args.rounds, args.system, args.system_length = "3", 24, 4, 1, True, 64
     record = smoke.Record("batching")
     parameters, _ = weights_per_token(folder)
     weight_bytes = parameters * 4  # float32
-    bandwidth = bandwidth_gbs()
+    bandwidth = bandwidth_gbs(gib=0.125 if args.smoke else 1.0)
     batches = [int(b) for b in args.batches.split(",")]
     results: dict = {}
     for round_ in range(args.rounds):

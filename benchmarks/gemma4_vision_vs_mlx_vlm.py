@@ -44,7 +44,7 @@ environment or from ``--mlx-vlm-path`` (``pip install --no-deps --target DIR mlx
 packages its import needs, transformers, Pillow, requests and the like, were already installed here).
 
     python -m benchmarks.gemma4_vision_vs_mlx_vlm --mlx-vlm-path /tmp/mlxvlm [--gen 64 --runs 5]
-    python -m benchmarks.gemma4_vision_vs_mlx_vlm --smoke   # 70 image tokens, 4 tokens, one run (benchmarks.smoke)
+    python -m benchmarks.gemma4_vision_vs_mlx_vlm --smoke   # tiny sizes, 70 image tokens, 4 tokens, one run (benchmarks.smoke)
 
 Without mlx-vlm (neither installed nor ``--mlx-vlm-path``) only our row is measured.
 """
@@ -91,34 +91,42 @@ TEXT = dict(
 )
 VISION = dict(hidden_size=384, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=6,
               head_dim=64)  # fmt: skip
+# --smoke: the same layout at the tiny sizes of benchmarks.smoke (the full vocabulary, as the real
+# tokenizer's ids need it), so that the two stacks load about 0.15 GB side by side instead of 1 GB
+SMOKE_TEXT = dict(TEXT, hidden_size=64, intermediate_size=128, num_attention_heads=2, hidden_size_per_layer_input=8)
+SMOKE_VISION = dict(VISION, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=2)  # fmt: skip
 IMAGE_TOKEN = 258880
 QUESTION = "Describe this image."
 COMPARED = 8  # greedy tokens compared between the stacks
 
 
-def build_checkpoint() -> Path:
-    """Random weights saved by transformers, the real tokenizer files, and the plain
-    ``global_head_dim`` mlx-vlm reads (transformers writes it as ``per_layer_config``)."""
-    if (CHECKPOINT / "model.safetensors").exists():
-        return CHECKPOINT
+def build_checkpoint(smoke_sizes: bool = False) -> Path:
+    """Random weights saved by transformers (``TEXT`` and ``VISION``, or the ``SMOKE_`` sizes), the real
+    tokenizer files, and the plain ``global_head_dim`` mlx-vlm reads (transformers writes it as
+    ``per_layer_config``)."""
+    text, vision = (SMOKE_TEXT, SMOKE_VISION) if smoke_sizes else (TEXT, VISION)
+    folder = CHECKPOINT.with_name("gemma4-vision-smoke") if smoke_sizes else CHECKPOINT
+    if (folder / "model.safetensors").exists():
+        return folder
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration
 
     from models.assets.gemma4_tokenizer import gemma4_tokenizer_dir
 
     torch.manual_seed(0)
-    config = Gemma4Config(text_config=TEXT, vision_config=VISION, audio_config=None, initializer_range=0.02)
-    tmp = CHECKPOINT.with_name(CHECKPOINT.name + ".partial")
+    config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None, initializer_range=0.02)
+    tmp = folder.with_name(folder.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     Gemma4ForConditionalGeneration(config).eval().save_pretrained(tmp)
     written = json.loads((tmp / "config.json").read_text())
-    written["text_config"].update(global_head_dim=TEXT["global_head_dim"])
+    written["text_config"].update(global_head_dim=text["global_head_dim"])
     (tmp / "config.json").write_text(json.dumps(written, indent=2))
     for file in gemma4_tokenizer_dir().iterdir():
         shutil.copy(file, tmp / file.name)
-    shutil.rmtree(CHECKPOINT, ignore_errors=True)
-    tmp.rename(CHECKPOINT)
-    return CHECKPOINT
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
 
 
 def chat_prompt(path: Path) -> str:
@@ -306,7 +314,8 @@ def main() -> None:
         return
 
     began = time.perf_counter()
-    path = build_checkpoint()
+    path = build_checkpoint(smoke_sizes=args.smoke)
+    text_sizes, vision_sizes = (SMOKE_TEXT, SMOKE_VISION) if args.smoke else (TEXT, VISION)
     photo = str(Path(args.photo).resolve())
     text = chat_prompt(path)
     record = smoke.Record("gemma4_vision_vs_mlx_vlm")
@@ -346,9 +355,10 @@ def main() -> None:
         return record.finish() if args.smoke else None
     o, p = rows["ours"], rows["mlx_vlm"]
     ratio = {key: statistics.median(a[key] / b[key] for a, b in zip(runs["ours"], runs["mlx_vlm"])) for key in METRICS}
-    print(f"Gemma 4 random multimodal checkpoint (text: hidden {TEXT['hidden_size']}, {TEXT['num_hidden_layers']} layers, "
-          f"vocab {TEXT['vocab_size']}, PLE {TEXT['hidden_size_per_layer_input']}, {TEXT['num_kv_shared_layers']} KV-shared; "
-          f"vision: hidden {VISION['hidden_size']}, {VISION['num_hidden_layers']} layers; float32), photo {Path(args.photo).name}, "
+    t, v = text_sizes, vision_sizes
+    print(f"Gemma 4 random multimodal checkpoint (text: hidden {t['hidden_size']}, {t['num_hidden_layers']} layers, "
+          f"vocab {t['vocab_size']}, PLE {t['hidden_size_per_layer_input']}, {t['num_kv_shared_layers']} KV-shared; "
+          f"vision: hidden {v['hidden_size']}, {v['num_hidden_layers']} layers; float32), photo {Path(args.photo).name}, "
           f"budget {args.max_soft_tokens}: {o['image_tokens']} image tokens, {len(o['ids'])} prompt positions; "
           f"{args.gen} greedy tokens after the first; median of {args.runs} alternating runs per stack after a warm-up")  # fmt: skip
     print(f"{o['blas']}; 1-minute load average {min(loads):.1f}-{max(loads):.1f}")

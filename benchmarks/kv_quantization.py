@@ -3,7 +3,8 @@ and against mlx-lm's ``--kv-bits`` on the same checkpoint, in one run.
 
 Uses the E2B-shaped random Gemma 4 of ``benchmarks.gemma4_text_vs_mlx_lm`` (sliding and full
 layers, KV sharing). Each configuration runs in its own process: a prompt of ``--prompt`` tokens
-(prefill chunks of 512), then ``--gen`` greedy tokens; the median of ``--runs`` runs.
+(prefill chunks of 512), then ``--gen`` greedy tokens; the median of ``--runs`` runs. A smoke run
+takes one process per stack for all three configurations (its numbers are not measurements).
 
     python -m benchmarks.kv_quantization [--prompt 4096 --gen 64 --runs 3]
     python -m benchmarks.kv_quantization --smoke   # a tiny random Gemma 4, one run (benchmarks.smoke)
@@ -32,6 +33,7 @@ def run_ours(path: str, prompt: list[int], gen: int, bits: int | None):
     from models.generation.generate import KVQuantization, generate_tokens
     from cache import owning_caches
 
+    mx.reset_peak_memory()
     model = models.load(path, tokenizer=False)
     cache = model.make_cache()
     kv = KVQuantization(bits, 64, start=0) if bits else None
@@ -54,6 +56,7 @@ def run_mlx_lm(path: str, prompt: list[int], gen: int, bits: int | None):
     from mlx_lm.generate import generate_step
     from mlx_lm.utils import load_model
 
+    mx.reset_peak_memory()
     model, _ = load_model(Path(path))
     options = dict(kv_bits=bits, kv_group_size=64, quantized_kv_start=0) if bits else {}
     steps = generate_step(mx.array(prompt), model, max_tokens=gen + 1, prefill_step_size=512, **options)
@@ -63,19 +66,36 @@ def run_mlx_lm(path: str, prompt: list[int], gen: int, bits: int | None):
     return {"decode_tps": n / (time.perf_counter() - start), "peak_gb": mx.get_peak_memory() / 1e9}
 
 
-def child(which: str, path: str, n_prompt: int, gen: int, runs: int, bits: int | None) -> None:
+def child(which: str, path: str, n_prompt: int, gen: int, runs: int, configs: list[int | None]) -> None:
+    """Prints one JSON object: each configuration's (its bits, "None" for full precision) medians or error."""
     import zoo_cpu  # noqa: F401  (the same BLAS for both stacks, loaded before MLX)
 
     import numpy as np
 
     prompt = [2] + np.random.default_rng(0).integers(1000, 200000, n_prompt - 1).tolist()
     run = run_ours if which == "ours" else run_mlx_lm
-    try:
-        results = [run(path, prompt, gen, bits) for _ in range(runs)]
-    except Exception as err:  # a peer that crashes is a measured result, reported as such
-        print(json.dumps({"error": f"{type(err).__name__}: {err}"[:160]}))
-        return
-    print(json.dumps({key: statistics.median(r[key] for r in results) for key in results[0]}))
+    out = {}
+    for bits in configs:
+        try:
+            results = [run(path, prompt, gen, bits) for _ in range(runs)]
+        except Exception as err:  # a peer that crashes is a measured result, reported as such
+            out[str(bits)] = {"error": f"{type(err).__name__}: {err}"[:160]}
+            continue
+        out[str(bits)] = {key: statistics.median(r[key] for r in results) for key in results[0]}
+    print(json.dumps(out))
+
+
+def spawn(which: str, path: Path, args, configs: list[int | None]) -> dict:
+    """``configs`` run in one child process: {bits: result or {"error": ...}}."""
+    command = [sys.executable, "-m", "benchmarks.kv_quantization", "--child", which, "--path", str(path),
+               "--prompt", str(args.prompt), "--gen", str(args.gen), "--runs", str(args.runs),
+               "--bits", ",".join(str(bits or 0) for bits in configs)]  # fmt: skip
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    lines = out.stdout.strip().splitlines()
+    if not lines:
+        return {bits: {"error": out.stderr.strip()[-160:]} for bits in configs}
+    results = json.loads(lines[-1])
+    return {bits: results[str(bits)] for bits in configs}
 
 
 def main() -> None:
@@ -86,10 +106,10 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
     parser.add_argument("--child", choices=["ours", "mlx_lm"], help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
-    parser.add_argument("--bits", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--bits", default="0", help=argparse.SUPPRESS)  # comma-separated; 0: full precision
     args = parser.parse_args()
     if args.child:
-        child(args.child, args.path, args.prompt, args.gen, args.runs, args.bits)
+        child(args.child, args.path, args.prompt, args.gen, args.runs, [int(b) or None for b in args.bits.split(",")])
         return
     from benchmarks.gemma4_text_vs_mlx_lm import build_checkpoint
 
@@ -99,14 +119,11 @@ def main() -> None:
     record = smoke.Record("kv_quantization")
     rows = {}
     for which in ("ours", "mlx_lm"):
+        # one process per configuration (its own peak memory), except in a smoke run: one per stack
+        batches = [[bits for _, bits in CONFIGS]] if args.smoke else [[bits] for _, bits in CONFIGS]
+        results = {bits: r for configs in batches for bits, r in spawn(which, path, args, configs).items()}
         for name, bits in CONFIGS:
-            command = [sys.executable, "-m", "benchmarks.kv_quantization", "--child", which, "--path", str(path),
-                       "--prompt", str(args.prompt), "--gen", str(args.gen), "--runs", str(args.runs)]  # fmt: skip
-            if bits:
-                command += ["--bits", str(bits)]
-            out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-            lines = out.stdout.strip().splitlines()
-            rows[which, name] = json.loads(lines[-1]) if lines else {"error": out.stderr.strip()[-160:]}
+            rows[which, name] = results[bits]
             label, result = f"{which} {name}", rows[which, name]
             if "error" in result and which == "mlx_lm" and result["error"].startswith("NotImplementedError"):
                 record.unsupported(label, result["error"])  # mlx-lm quantizes no rotating cache: a measured result

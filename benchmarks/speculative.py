@@ -108,8 +108,9 @@ def verify_cost(model, prompt, k, repeats):
     return statistics.median(window), statistics.median(steps)
 
 
-def random_gemma4_pair():
-    """A random Gemma 4 target shaped like the 270M and a random assistant for it (MLX init)."""
+def random_gemma4_pair(smoke_sizes: bool = False):
+    """A random Gemma 4 target shaped like the 270M and a random assistant for it (MLX init); with
+    ``smoke_sizes`` the same layout at hidden size 64 and 6 layers (a smoke run measures nothing)."""
     from graphs.gemma4_assistant import Gemma4AssistantModel
     from graphs.gemma4_assistant_config import Gemma4AssistantConfig
     from graphs.gemma4_text import Gemma4TextModel
@@ -121,10 +122,14 @@ def random_gemma4_pair():
                       num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                       global_head_dim=256, sliding_window=512, hidden_size_per_layer_input=0,
                       layer_types=[S, S, S, S, S, F] * 3, final_logit_softcapping=30.0)  # fmt: skip
-    assistant_raw = dict(model_type="gemma4_assistant", backbone_hidden_size=640, use_ordered_embeddings=True,
-                         num_centroids=2048, centroid_intermediate_top_k=32,
-                         text_config=dict(target_raw, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                                          layer_types=[S, S, S, F], num_kv_shared_layers=4))  # fmt: skip
+    assistant_text = dict(hidden_size=256, intermediate_size=1024)
+    if smoke_sizes:
+        target_raw.update(hidden_size=64, intermediate_size=128, num_hidden_layers=6, layer_types=[S, S, S, S, S, F])
+        assistant_text.update(hidden_size=32, intermediate_size=64)
+    assistant_raw = dict(model_type="gemma4_assistant", backbone_hidden_size=target_raw["hidden_size"],
+                         use_ordered_embeddings=True, num_centroids=2048, centroid_intermediate_top_k=32,
+                         text_config=dict(target_raw, **assistant_text, num_hidden_layers=4, layer_types=[S, S, S, F],
+                                          num_kv_shared_layers=4))  # fmt: skip
     mx.random.seed(0)
     target = Gemma4TextModel(Gemma4TextConfig.from_dict(target_raw))
     assistant = Gemma4AssistantModel(Gemma4AssistantConfig.from_dict(assistant_raw))
@@ -195,13 +200,13 @@ def main(argv=None) -> int:
                   f"{stats.generation_tps / plain_tps:.2f} |", flush=True)  # fmt: skip
 
     if not args.skip_assistant:
-        target, assistant = random_gemma4_pair()
+        target, assistant = random_gemma4_pair(smoke_sizes=args.smoke)
         plain_run(target, prompt[:16], 8)
         base = [plain_run(target, prompt, args.gen) for _ in range(args.runs)]
         want = base[0][0]
         base_tps = statistics.median(s.generation_tps for _, s in base)
         record.row("gemma4 plain", want, decode=base_tps)
-        print(f"\nrandom Gemma 4 target (270M-shaped): plain {base_tps:.2f} tok/s")
+        print(f"\nrandom Gemma 4 target ({'smoke sizes' if args.smoke else '270M-shaped'}): plain {base_tps:.2f} tok/s")
         print("| drafter | k | acceptance | tok/s | vs plain |")
         print("|---|---|---|---|---|")
         from models.generation.speculative import AssistantDrafter

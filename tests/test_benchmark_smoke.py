@@ -16,20 +16,20 @@ from benchmarks import smoke
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# module -> extra arguments. Comments: wall seconds of one smoke run on the 2-core VM at load
-# average 4-15 (other jobs running); at load 15 the whole set below took about 20 minutes.
+# module -> extra arguments. Comments: what one smoke run costs (processes, sizes; wall seconds on the
+# 2-core VM at load average 4-15, other jobs running); docs/benchmarks.md, "Test suite time".
 BENCHMARKS = {
-    "batching": [],  # 80 s: 5 processes
+    "batching": [],  # 3 processes: each stack at B=3, the stored system prompt
     "compiled_step": [],  # 12 s
     "gemma4_text_vs_mlx_lm": [],  # 19 s
-    "gemma4_vision_vs_mlx_vlm": [],  # 70 s without mlx-vlm, 265 s with it at load 13 (both load 1 GB side by side)
+    "gemma4_vision_vs_mlx_vlm": [],  # a tiny-sized checkpoint of its own: both stacks load 0.15 GB side by side
     "interleaved": [],  # 38 s
-    "kv_quantization": [],  # 75 s: 6 processes
+    "kv_quantization": [],  # 2 processes: one per stack for the three cache configurations
     "long_context": [],  # 21 s
     "packed_kernels": [],  # 1 s
     "prefill": [],  # 36 s
     "prompt_lookup": [],  # a tiny random Gemma 3: plain and prompt-lookup greedy agree
-    "speculative": [],  # 62 s: a 270M-shaped random Gemma 4 target for the assistant
+    "speculative": [],  # a tiny random Gemma 4 target for the assistant
     "speed": ["--models", "gemma3"],  # 70 s: 6 stacks, each in its own process (Gemma 4: gemma4_text_vs_mlx_lm)
 }
 # benchmarks whose smoke mode needs real assets or a large checkpoint (built once, minutes)
