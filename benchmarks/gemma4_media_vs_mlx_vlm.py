@@ -21,6 +21,14 @@ prompt is in ``docs/multimodal.md``); the outputs of the two stacks are compared
 
     python -m benchmarks.gemma4_media_vs_mlx_vlm --mlx-vlm-path /tmp/mlxvlm [--runs 3]
     python -m benchmarks.gemma4_media_vs_mlx_vlm --smoke   # a 2 s clip and 2 frames, one run (benchmarks.smoke)
+    python -m benchmarks.gemma4_media_vs_mlx_vlm --only audio --profile --runs 3   # and where our audio tower's time goes
+
+``--profile`` times the pieces of our audio tower on the clip (each piece evaluated on its own,
+``--runs`` times, taking turns; the minimum and the median): the subsampling convolutions, one
+Conformer layer and its feed-forward, attention and light-convolution blocks, and each of the
+layer's products (``x @ W.T``) with its GFLOP/s next to a 2048x2048x2048 product's, the BLAS rate
+of the moment. Its last line is the bound the products set: their share of a layer, and the ratio
+to mlx-vlm that the tower would reach if everything but the products took no time.
 
 Without mlx-vlm (neither installed nor ``--mlx-vlm-path``) only our rows are measured.
 """
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -62,12 +71,83 @@ def build_checkpoint() -> Path:
     return CHECKPOINT
 
 
+def profile_audio_tower(tower, features, runs: int, whole: dict) -> None:
+    """Print where our audio tower's time goes on ``features [1, T, 128]`` (see the module's docstring);
+    ``whole`` maps "ours" (and "mlx-vlm" when it runs) to the timed encoders, timed in the same turns."""
+    import mlx.core as mx
+
+    from graphs.gemma4_audio import ChunkLayout
+
+    sub = tower.subsample_conv_projection
+    x = sub(features)
+    mx.eval(x)
+    steps, hidden = x.shape[1], x.shape[2]
+    layer, layout, positions = tower.layers[0], ChunkLayout(steps, tower.config), tower._positions
+    ffw, attn, lconv = layer.feed_forward1, layer.self_attn, layer.lconv1d
+    first = sub.layer0(features[..., None])
+    square = mx.random.normal((2048, 2048))
+    mx.eval(first, square)
+    inputs: dict[int, mx.array] = {}
+
+    def product(linear):  # the layer's ``x @ W.T`` on an input of its width
+        width = linear.weight.shape[1]
+        if width not in inputs:
+            inputs[width] = mx.random.normal((1, steps, width))
+            mx.eval(inputs[width])
+        return (lambda: linear(inputs[width])), 2 * steps * linear.weight.size
+
+    products = {
+        "feed-forward W1 (x2 per layer)": (*product(ffw.ffw_layer_1.linear), 2),
+        "feed-forward W2 (x2 per layer)": (*product(ffw.ffw_layer_2.linear), 2),
+        "attention q/k/v/post (x4 per layer)": (*product(attn.q_proj.linear), 4),
+        "light conv linear_start": (*product(lconv.linear_start.linear), 1),
+        "light conv linear_end": (*product(lconv.linear_end.linear), 1),
+    }
+    pieces = {
+        "subsampling conv 1": lambda: sub.layer0(features[..., None]),
+        "subsampling conv 2": lambda: sub.layer1(first),
+        "one Conformer layer": lambda: layer(x, positions, layout),
+        "  feed-forward block (x2 per layer)": lambda: ffw(x),
+        "  attention block": lambda: attn(x, positions, layout),
+        "  light convolution block": lambda: lconv(x),
+        **{f"  {name}": fn for name, (fn, _, _) in products.items()},
+        "2048x2048x2048 product": lambda: square @ square,
+        **{f"{who}: tower and embedder": fn for who, fn in whole.items()},
+    }
+    times: dict[str, list[float]] = {name: [] for name in pieces}
+    for _ in range(runs):
+        for name, fn in pieces.items():
+            start = time.perf_counter()
+            mx.eval(fn())
+            times[name].append(time.perf_counter() - start)
+    best = {name: min(t) for name, t in times.items()}
+    flops = {f"  {name}": f for name, (_, f, _) in products.items()}
+    flops["2048x2048x2048 product"] = 2 * 2048**3
+    print(f"\naudio tower profile: {steps} steps of width {hidden}, {runs} runs each, load average {os.getloadavg()[0]:.1f}")
+    print("| piece | min ms | median ms | GFLOP | GFLOP/s at min |\n|---|---|---|---|---|")
+    for name, t in times.items():
+        rate = f"{flops[name] / best[name] / 1e9:.0f}" if name in flops else ""
+        gflop = f"{flops[name] / 1e9:.2f}" if name in flops else ""
+        print(f"| {name} | {best[name] * 1e3:.1f} | {statistics.median(t) * 1e3:.1f} | {gflop} | {rate} |")
+    in_layer = sum(best[f"  {name}"] * count for name, (_, _, count) in products.items())
+    layer_flops = sum(f * count for _, f, count in products.values())
+    share = in_layer / best["one Conformer layer"]
+    print(f"products per layer: {layer_flops / 1e9:.1f} GFLOP, {in_layer * 1e3:.0f} ms of the layer's {best['one Conformer layer'] * 1e3:.0f} ms "
+          f"({share:.0%}); the {len(tower.layers)} layers' products {in_layer * len(tower.layers):.2f} s of our encoder's {best['ours: tower and embedder']:.2f} s")
+    if "mlx-vlm" in whole:
+        floor = in_layer * len(tower.layers) / best["mlx-vlm: tower and embedder"]
+        print(f"bound: the layers' products alone (everything else free) take {floor:.2f}x mlx-vlm's encoder time "
+              f"(ours {best['ours: tower and embedder'] / best['mlx-vlm: tower and embedder']:.2f}x, minima)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--mlx-vlm-path", help="a folder holding the mlx_vlm package")
     parser.add_argument("--seconds", type=float, default=30.0, help="audio clip length")
     parser.add_argument("--frames", type=int, default=32, help="video frames")
+    parser.add_argument("--only", choices=("audio", "video"), help="measure one input kind")
+    parser.add_argument("--profile", action="store_true", help="also time the pieces of our audio tower (see above)")
     parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
     args = parser.parse_args()
     if args.smoke:
@@ -125,10 +205,14 @@ def main() -> None:
           f"{video.num_soft_tokens} soft tokens each", flush=True)
     for name, mine, other in ((f"audio {args.seconds:g} s", ours_audio, theirs_audio),
                               (f"video {args.frames} frames", ours_video, theirs_video)):  # fmt: skip
+        if args.only and not name.startswith(args.only):
+            continue
         if not peer:
             times = smoke.alone(mine, args.runs)
             print(f"| {name} | {statistics.median(times):.2f} s [{min(times):.2f}-{max(times):.2f}] | - | - | |", flush=True)
             record.row(f"ours {name}", seconds=statistics.median(times))
+            if args.profile and name.startswith("audio"):
+                profile_audio_tower(ours.graph.audio_tower, feats, args.runs, {"ours": mine})
             continue
         a, b = mine(), other()  # warm-up, and the outputs compared
         diff = float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()) if a.shape == b.shape else float("nan")
@@ -144,6 +228,8 @@ def main() -> None:
               f"{statistics.median(times['mlx-vlm']):.2f} s [{min(times['mlx-vlm']):.2f}-{max(times['mlx-vlm']):.2f}] | "
               f"{ratio:.2f}x | shapes {list(a.shape)} / {list(b.shape)}, max diff {diff:.1e} |", flush=True)
         record.row(f"ours {name}", seconds=statistics.median(times["ours"]))
+        if args.profile and name.startswith("audio"):
+            profile_audio_tower(ours.graph.audio_tower, feats, args.runs, {"ours": mine, "mlx-vlm": other})
         if a.shape == b.shape and diff <= 1e-3 * max(1.0, float(mx.abs(a).max())):
             record.row(f"mlx-vlm {name}", ours=False, seconds=statistics.median(times["mlx-vlm"]))
         else:

@@ -39,7 +39,7 @@ SLOW = {
     "grammar_masks": [],  # the real Gemma 4 tokenizer: each grammar library's mask on one schema
     "accelerator_check": [],  # a parity file and four benchmarks' smoke runs under the accelerator plan: minutes
     "distributed": [],  # 2-rank launches; the MoE-shaped checkpoint is built once
-    "gemma4_media_vs_mlx_vlm": [],  # an audio tower of the released size: ~1.5 GB written once
+    "gemma4_media_vs_mlx_vlm": ["--profile"],  # an audio tower of the released size: ~1.5 GB written once; and its profile
     "gemma4_unified_vs_mlx_vlm": [],  # the released media embedders: built once, ~1 GB
     "server": [],  # the real 270M behind both servers
 }
