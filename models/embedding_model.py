@@ -23,9 +23,9 @@ from models.sentence_modules import SentenceSettings, sentence_head, sentence_se
 # google/embeddinggemma-300m model card): a model's own size and those of these below it are offered.
 MATRYOSHKA_DIMENSIONS = (768, 512, 256, 128)
 DEFAULT_BATCH_SIZE = 32
-# Tokens per forward at most (a longer text runs alone): bounds the activations a batch holds (about
-# 25 KB a token in float32 at EmbeddingGemma's size) whatever batch_size is; docs/embedding.md.
-MAX_BATCH_TOKENS = 2048
+# Tokens per forward at most (a longer text runs alone): bounds the activations a batch holds
+# (about 70 MB at 1,024 tokens for EmbeddingGemma 300M in float32) whatever batch_size is; docs/embedding.md.
+MAX_BATCH_TOKENS = 1024
 
 
 class EmbeddingModel:
