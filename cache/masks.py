@@ -76,8 +76,11 @@ def encoder(q_start: int, L: int, k_start: int, T: int, blocks: mx.array, window
 
 
 def bidirectional(q_start: int, L: int, k_start: int, T: int, window: int | None):
-    """Gemma 4 ``use_bidirectional_attention="all"``: every key on full layers, ``|q - k| <= window``
-    on sliding layers (the config has already halved the window)."""
+    """A whole sequence encoded at once: every key on full layers, ``|q - k| <= window`` on sliding
+    layers. That is Gemma 4 ``use_bidirectional_attention="all"`` with the config's halved window
+    (transformers' ``sliding_window_bidirectional_overlay``, inclusive); Gemma 3's encoder bounds its
+    overlay exclusively (``|q - k| < W``), so its caches are made with ``W - 1``
+    (``tests/test_bidirectional_window.py`` checks both against transformers)."""
     if window is None:
         return None
     qpos, kpos = _positions(q_start, L, k_start, T)

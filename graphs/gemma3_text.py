@@ -99,6 +99,9 @@ class Gemma3TextModel(VocabularyHead, CheckedCaches, nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(H, config.vocab_size, bias=False)
 
+    def has_head(self) -> bool:
+        return not self.config.use_bidirectional_attention  # an encoder: hidden states, no logits
+
     def make_cache(self) -> list:
         """One cache per layer: ``RotatingKVCache(sliding_window)`` on sliding layers, ``KVCache`` on full ones.
 

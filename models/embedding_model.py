@@ -23,6 +23,9 @@ from models.sentence_modules import SentenceSettings, sentence_head, sentence_se
 # google/embeddinggemma-300m model card): a model's own size and those of these below it are offered.
 MATRYOSHKA_DIMENSIONS = (768, 512, 256, 128)
 DEFAULT_BATCH_SIZE = 32
+# Tokens per forward at most (a longer text runs alone): bounds the activations a batch holds
+# (about 70 MB at 1,024 tokens for EmbeddingGemma 300M in float32) whatever batch_size is; docs/embedding.md.
+MAX_BATCH_TOKENS = 1024
 
 
 class EmbeddingModel:
@@ -106,7 +109,8 @@ class EmbeddingModel:
         self, ids: Sequence[Sequence[int]], dimensions: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE,
         progress: Callable[[int], None] | None = None,
     ) -> np.ndarray:  # fmt: skip
-        """Embeddings of texts given as token ids (``tokenize``), in batches of ``batch_size`` texts of similar length."""
+        """Embeddings of texts given as token ids (``tokenize``), in batches of at most ``batch_size``
+        texts of similar length and ``MAX_BATCH_TOKENS`` tokens (a longer text alone)."""
         dimensions = self.dimension if dimensions is None else dimensions
         if isinstance(dimensions, bool) or dimensions not in self.dimensions:
             raise ValueError(f"embed: dimensions {dimensions!r} is not supported; this model gives {self.dimensions}")
@@ -118,10 +122,8 @@ class EmbeddingModel:
             if not row or outside:
                 shown = self.tokenizer._tokenizer.convert_ids_to_tokens(outside[:3]) if outside else "no tokens"
                 raise ValueError(f"embed: text {i} has ids outside the model's table [0, {vocab}): {outside[:3]} {shown}")
-        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))  # similar lengths share a batch
         out = np.empty((len(ids), dimensions), dtype=np.float32)
-        for start in range(0, len(order), batch_size):
-            chosen = order[start : start + batch_size]
+        for chosen in batches([len(row) for row in ids], batch_size, MAX_BATCH_TOKENS):
             lengths = [len(ids[i]) for i in chosen]
             packed = mx.array([t for i in chosen for t in ids[i]], dtype=mx.int32)[None]
             vectors = self.head(self.graph.encode(packed, lengths), lengths)
@@ -138,6 +140,20 @@ class EmbeddingModel:
             known = ", ".join(sorted(self.settings.prompts)) or "none"
             raise ValueError(f"embed: unknown prompt_name {name!r}; this model's prompts are: {known}")
         return self.settings.prompts[name]
+
+
+def batches(lengths: Sequence[int], batch_size: int, max_tokens: int) -> list[list[int]]:
+    """Indices of texts of ``lengths``, longest first (similar lengths share a batch), cut into
+    batches of at most ``batch_size`` texts and ``max_tokens`` tokens (a text over it alone)."""
+    out: list[list[int]] = []
+    tokens = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if not out or len(out[-1]) == batch_size or tokens + lengths[i] > max_tokens:
+            out.append([])
+            tokens = 0
+        out[-1].append(i)
+        tokens += lengths[i]
+    return out
 
 
 def matryoshka(vectors: np.ndarray, dimensions: int) -> np.ndarray:

@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 st = pytest.importorskip("sentence_transformers")
 
 import models  # noqa: E402
+from models import embedding_model  # noqa: E402
 from graphs.gemma3_text_config import FULL, SLIDING  # noqa: E402
 import mlx.core as mx  # noqa: E402
 
@@ -94,6 +95,26 @@ def test_embeddings_match_sentence_transformers(tiny, prompt_name, batch_size):
     _, reference, ours = tiny
     theirs = reference.encode(TEXTS, prompt_name=prompt_name, convert_to_numpy=True)
     close(ours.embed(TEXTS, prompt_name=prompt_name, batch_size=batch_size), theirs)
+
+
+def test_batches_hold_at_most_batch_size_texts_and_max_tokens():
+    lengths = [5, 40, 3, 12, 12, 7, 30]
+    cut = embedding_model.batches(lengths, batch_size=3, max_tokens=30)  # 12 + 12 + 7 > 30; 7, 5, 3 is 3 texts
+    assert sorted(i for b in cut for i in b) == list(range(len(lengths)))
+    assert [[lengths[i] for i in b] for b in cut] == [[40], [30], [12, 12], [7, 5, 3]]  # longest first; 40 alone
+
+
+def test_a_small_token_budget_gives_the_same_embeddings(tiny, monkeypatch):
+    _, reference, ours = tiny
+    theirs = reference.encode(TEXTS, prompt_name="query", convert_to_numpy=True)
+    monkeypatch.setattr(embedding_model, "MAX_BATCH_TOKENS", 24)  # most texts in batches of their own
+    close(ours.embed(TEXTS, prompt_name="query", batch_size=32), theirs)
+
+
+def test_the_encoder_table_is_kept_as_stored(tiny):
+    """An encoder computes no logits: its embedding table is not relaid out as an output head."""
+    graph = tiny[2].graph
+    assert not graph.has_head() and graph.head_blocks is None
 
 
 def test_the_encoder_matches_transformers_hidden_states(tiny):
