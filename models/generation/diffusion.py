@@ -26,6 +26,7 @@ prompts of different lengths need separate runs (no padding masks).
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +43,7 @@ from models.generation.prompts import prefill_chunks, token_runs
 from zoo_cpu import fast_math
 
 DEFAULT_PREFILL_STEP = 512
+SAMPLE_BLOCK = 256  # vocabulary entries per block of MLXNoise's two-level inverse CDF
 
 
 class Noise(Protocol):
@@ -69,12 +71,23 @@ class MLXNoise:
         return mx.random.randint(0, vocab_size, shape, dtype=mx.int32, key=self._next_key())
 
     def sample(self, probs):
-        # Inverse CDF: one uniform per position and a running sum over the vocabulary, where MLX's
-        # categorical draws (and takes two logarithms of) one uniform per vocabulary entry. A token
-        # of probability 0 is never drawn: ``u`` lies in (0, 1] and the count is of sums below it.
-        cdf = mx.cumsum(probs, axis=-1)
-        u = (1.0 - mx.random.uniform(shape=probs.shape[:-1], key=self._next_key())) * cdf[..., -1]
-        return (cdf < u[..., None]).sum(axis=-1).astype(mx.int32)
+        # Inverse CDF: one uniform per position, where MLX's categorical draws (and takes two
+        # logarithms of) one uniform per vocabulary entry; in two levels, so only the sums of blocks
+        # of SAMPLE_BLOCK entries and the one block holding the draw are cumulated, not the whole
+        # vocabulary (whose float32 running sum also drifts by about sqrt(V) roundings).
+        *lead, V = probs.shape
+        size = math.gcd(V, SAMPLE_BLOCK)
+        blocks = probs.reshape(*lead, V // size, size)
+        ends = mx.cumsum(blocks.sum(axis=-1), axis=-1)
+        u = (1.0 - mx.random.uniform(shape=tuple(lead), key=self._next_key())) * ends[..., -1]  # in (0, total]
+        block = (ends < u[..., None]).sum(axis=-1)  # the first block whose running sum reaches u
+        start = mx.take_along_axis(ends, mx.maximum(block - 1, 0)[..., None], axis=-1)[..., 0]
+        inside = mx.take_along_axis(blocks, block[..., None, None], axis=-2)[..., 0, :]
+        count = (mx.cumsum(inside, axis=-1) < (u - mx.where(block > 0, start, 0.0))[..., None]).sum(axis=-1)
+        # Rounding can leave the block's own running sum just short of u: then its last possible token.
+        # Otherwise the token counted has probability > 0 (its running sum rose past the ones below u).
+        last = size - 1 - mx.argmax((inside > 0)[..., ::-1], axis=-1)
+        return (block * size + mx.where(count >= size, last, count)).astype(mx.int32)
 
 
 # ------------------------------------------------------------------------------------ events
