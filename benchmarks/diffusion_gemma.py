@@ -197,12 +197,12 @@ def run_mlx_vlm(sizes: Sizes, prompt: list[int], blocks: int, steps: int):
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
     embedding = model.diffusion_prepare_self_conditioning()
-    committed = []
+    committed, scratch = [], {}
     for block in range(blocks):
         canvas, self_conditioning = noise.canvas((1, C), vocab), None
         for remaining in range(steps, 0, -1):
             logits = model.diffusion_decoder_logits(canvas, cache, self_conditioning)
-            processed, probs, entropies, argmax = vocabulary_step(logits, options.temperature(remaining))
+            processed, probs, entropies, argmax = vocabulary_step(logits, options.temperature(remaining), scratch=scratch)
             accepted = entropy_bound_accept(entropies, options.entropy_bound)
             canvas = mx.where(accepted, noise.sample(probs), noise.canvas((1, C), vocab))
             self_conditioning = model.diffusion_self_conditioning(processed, embedding)
@@ -255,7 +255,8 @@ def profile(sizes: Sizes, n_prompt: int, steps: int, rounds: int) -> None:
     canvas, temperature, cap = noise.canvas((1, C), V), 0.6, graph.config.text.final_logit_softcapping
     states = graph.decoder_states(canvas, cache, None)
     head = graph.head_product(states)
-    processed, probs, entropies, argmax = vocabulary_step(head, temperature, cap)
+    scratch = {}
+    processed, probs, entropies, argmax = vocabulary_step(head, temperature, cap, scratch)
     soft = graph.expected_embedding(probs)
     mx.eval(states, head, probs, entropies, soft)
     stopper = StableAndConfident(1, 0.005)
@@ -263,9 +264,9 @@ def profile(sizes: Sizes, n_prompt: int, steps: int, rounds: int) -> None:
         f"prefill chunk of {C} tokens (encoder pass over the same cache, for scale)":
             lambda: _prefill_chunk(graph, cache, sizes, rounds=1),
         "decoder: embedding, self-conditioning MLP, layers, final norm": lambda: graph.decoder_states(canvas, cache, soft),
-        "tied head product (BLAS, on the stored transpose)": lambda: graph.head_product(states),
-        "vocabulary_step: softcap, temperature, softmax, entropy, argmax": lambda: vocabulary_step(head, temperature, cap),
-        "sample (inverse CDF over the probabilities)": lambda: noise.sample(probs),
+        "tied head product (head_product: the extension's GEMM on the CPU plan)": lambda: graph.head_product(states),
+        "vocabulary_step: softcap, temperature, softmax, entropy, argmax": lambda: vocabulary_step(head, temperature, cap, scratch),
+        "sample (two-level inverse CDF over the probabilities)": lambda: noise.sample(probs),
         "acceptance, re-noising, stop rule": lambda: (mx.where(entropy_bound_accept(entropies, 0.1), argmax, noise.canvas((1, C), V)),
                                                       stopper(argmax, entropies)),
         "self-conditioning product probs @ E": lambda: graph.expected_embedding(probs),

@@ -57,3 +57,13 @@ def test_sampler_follows_the_probabilities_and_never_draws_an_impossible_token()
     np.testing.assert_allclose(counts[[1, 4, 7]], [0.5, 0.3, 0.2], atol=0.02)
     again = np.array(MLXNoise(3).sample(mx.array(probs)))
     np.testing.assert_array_equal(again[0], drawn[:4000])  # a seed reproduces the draws
+
+
+def test_sampler_over_several_blocks_follows_the_probabilities():
+    # 1000 entries = 125 blocks of 8 (gcd with SAMPLE_BLOCK): the draw finds its block, then its token.
+    probs = np.zeros((2, 3000, 1000), dtype=np.float32)
+    probs[..., [0, 7, 8, 517, 999]] = [0.1, 0.2, 0.3, 0.15, 0.25]
+    drawn = np.array(MLXNoise(5).sample(mx.array(probs))).ravel()
+    counts = np.bincount(drawn, minlength=1000) / drawn.size
+    assert set(np.unique(drawn)) == {0, 7, 8, 517, 999}
+    np.testing.assert_allclose(counts[[0, 7, 8, 517, 999]], [0.1, 0.2, 0.3, 0.15, 0.25], atol=0.015)

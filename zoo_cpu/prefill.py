@@ -85,6 +85,15 @@ def linear(x: mx.array, w: mx.array, isa: str | None = None) -> mx.array:
     return _module().prefill_linear(x, w, isa or "")
 
 
+def takes_linear(x: mx.array, w: mx.array) -> bool:
+    """Whether ``linear`` takes ``x @ w.T`` now: float32 operands, more than ``LINEAR_MIN_ROWS`` rows,
+    and a backend that runs the prefill kernels."""
+    return (
+        x.size > LINEAR_MIN_ROWS * x.shape[-1] and x.dtype == mx.float32 and w.dtype == mx.float32
+        and backend.active().prefill
+    )  # fmt: skip
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same saved form) whose float32 products of more than
     ``LINEAR_MIN_ROWS`` rows take ``linear`` while the backend runs the prefill kernels; decode rows stay MLX's."""
@@ -102,7 +111,7 @@ class Linear(nn.Linear):
 
     def __call__(self, x: mx.array) -> mx.array:
         w = self["weight"]
-        if x.size <= LINEAR_MIN_ROWS * x.shape[-1] or x.dtype != mx.float32 or w.dtype != mx.float32 or not backend.active().prefill:
+        if not takes_linear(x, w):
             return super().__call__(x)
         y = linear(x, w)
         return y + self["bias"] if "bias" in self else y

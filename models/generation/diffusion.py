@@ -26,8 +26,10 @@ prompts of different lengths need separate runs (no padding masks).
 
 from __future__ import annotations
 
+import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence
 
@@ -41,6 +43,7 @@ from models.generation.prompts import prefill_chunks, token_runs
 from zoo_cpu import fast_math
 
 DEFAULT_PREFILL_STEP = 512
+SAMPLE_BLOCK = 256  # vocabulary entries per block of MLXNoise's two-level inverse CDF
 
 
 class Noise(Protocol):
@@ -68,12 +71,23 @@ class MLXNoise:
         return mx.random.randint(0, vocab_size, shape, dtype=mx.int32, key=self._next_key())
 
     def sample(self, probs):
-        # Inverse CDF: one uniform per position and a running sum over the vocabulary, where MLX's
-        # categorical draws (and takes two logarithms of) one uniform per vocabulary entry. A token
-        # of probability 0 is never drawn: ``u`` lies in (0, 1] and the count is of sums below it.
-        cdf = mx.cumsum(probs, axis=-1)
-        u = (1.0 - mx.random.uniform(shape=probs.shape[:-1], key=self._next_key())) * cdf[..., -1]
-        return (cdf < u[..., None]).sum(axis=-1).astype(mx.int32)
+        # Inverse CDF: one uniform per position, where MLX's categorical draws (and takes two
+        # logarithms of) one uniform per vocabulary entry; in two levels, so only the sums of blocks
+        # of SAMPLE_BLOCK entries and the one block holding the draw are cumulated, not the whole
+        # vocabulary (whose float32 running sum also drifts by about sqrt(V) roundings).
+        *lead, V = probs.shape
+        size = math.gcd(V, SAMPLE_BLOCK)
+        blocks = probs.reshape(*lead, V // size, size)
+        ends = mx.cumsum(blocks.sum(axis=-1), axis=-1)
+        u = (1.0 - mx.random.uniform(shape=tuple(lead), key=self._next_key())) * ends[..., -1]  # in (0, total]
+        block = (ends < u[..., None]).sum(axis=-1)  # the first block whose running sum reaches u
+        start = mx.take_along_axis(ends, mx.maximum(block - 1, 0)[..., None], axis=-1)[..., 0]
+        inside = mx.take_along_axis(blocks, block[..., None, None], axis=-2)[..., 0, :]
+        count = (mx.cumsum(inside, axis=-1) < (u - mx.where(block > 0, start, 0.0))[..., None]).sum(axis=-1)
+        # Rounding can leave the block's own running sum just short of u: then its last possible token.
+        # Otherwise the token counted has probability > 0 (its running sum rose past the ones below u).
+        last = size - 1 - mx.argmax((inside > 0)[..., ::-1], axis=-1)
+        return (block * size + mx.where(count >= size, last, count)).astype(mx.int32)
 
 
 # ------------------------------------------------------------------------------------ events
@@ -145,7 +159,7 @@ class Finished:
 
 # ----------------------------------------------------------------------------- algorithm pieces
 def vocabulary_step(
-    logits: mx.array, temperature: float, softcap: float | None = None
+    logits: mx.array, temperature: float, softcap: float | None = None, scratch: dict | None = None
 ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """``(processed, probs, entropies, argmax)`` of the decoder's float32 ``logits [B, C, V]``.
 
@@ -159,34 +173,80 @@ def vocabulary_step(
     On the CPU (``zoo_cpu``'s ``fast_math`` plan) this runs in numpy, whose ``exp``, ``tanh`` and
     reductions are AVX2/AVX-512 vector loops: MLX's CPU ``exp`` and ``tanh`` are scalar loops and
     its reductions about ten times slower than numpy's (measurements in ``docs/diffusion.md``).
-    Elsewhere (a GPU) it is one compiled MLX function.
+    Elsewhere (a GPU) it is one compiled MLX function. ``scratch``, a dict the caller keeps from
+    step to step, holds the numpy path's ``[B * C, V]`` work arrays: fresh ones cost a page fault
+    per 4 KB on first touch, which was most of this function's time.
     """
     t = np.float32(temperature)
     if not fast_math.active():
         cap = mx.array(softcap or 0.0, dtype=mx.float32)
         return _mlx_vocabulary_step(logits.astype(mx.float32), mx.array(t), cap, softcap is not None)
     x = np.asarray(logits.astype(mx.float32))
-    # In place where the rounding allows: three [B, C, V] arrays at most (a real vocabulary of 262,144
-    # over a 256-token canvas makes each 268 MB).
-    if softcap is not None:
-        cap = np.float32(softcap)
-        processed = x / cap
+    V = x.shape[-1]
+    rows = x.reshape(-1, V)
+    processed, probs, gap = (_work_array(scratch, name, rows.shape) for name in ("processed", "probs", "gap"))
+    entropies = np.empty(rows.shape[0], dtype=np.float32)
+    argmax = np.empty(rows.shape[0], dtype=np.int32)
+    cap = None if softcap is None else np.float32(softcap)
+    # numpy's ufuncs release the GIL, so row blocks run on both cores; each row's arithmetic is the
+    # same whatever the split (reductions run along the contiguous last axis).
+    spans = _row_spans(rows.shape[0])
+    work = [(rows[a:b], processed[a:b], probs[a:b], gap[a:b], entropies[a:b], argmax[a:b], t, cap) for a, b in spans]
+    if len(work) == 1:
+        _numpy_rows(*work[0])
+    else:
+        list(_pool().map(lambda args: _numpy_rows(*args), work))
+    shape = x.shape
+    return (mx.array(processed.reshape(shape)), mx.array(probs.reshape(shape)),
+            mx.array(entropies.reshape(shape[:-1])), mx.array(argmax.reshape(shape[:-1])))  # fmt: skip
+
+
+def _numpy_rows(x, processed, probs, gap, entropies, argmax, t, cap) -> None:
+    """``vocabulary_step``'s numpy arithmetic on the rows ``x [n, V]``, into the given outputs and
+    the work array ``gap``: in place where the rounding allows, as a real vocabulary of 262,144 over
+    a 256-token canvas makes each ``[n, V]`` array 268 MB."""
+    if cap is not None:
+        np.divide(x, cap, out=processed)
         np.tanh(processed, out=processed)
         processed *= cap
         processed /= t
     else:
-        processed = x / t
+        np.divide(x, t, out=processed)
     top = processed.max(axis=-1, keepdims=True)
-    probs = np.subtract(processed, top)
+    np.subtract(processed, top, out=probs)
     np.exp(probs, out=probs)
     total = probs.sum(axis=-1, keepdims=True)
     probs /= total
-    gap = np.subtract(top, processed)
+    np.subtract(top, processed, out=gap)
     gap *= probs
-    entropies = np.log(total[..., 0]) + gap.sum(axis=-1)
-    del gap
-    argmax = processed.argmax(axis=-1).astype(np.int32)
-    return mx.array(processed), mx.array(probs), mx.array(entropies), mx.array(argmax)
+    entropies[:] = np.log(total[..., 0]) + gap.sum(axis=-1)
+    argmax[:] = processed.argmax(axis=-1)
+
+
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _work_array(scratch: dict | None, name: str, shape: tuple[int, int]) -> np.ndarray:
+    """A float32 ``shape`` array: ``scratch[name]`` when it has that shape (made and kept there when not)."""
+    if scratch is None:
+        return np.empty(shape, dtype=np.float32)
+    if scratch.get(name) is None or scratch[name].shape != shape:
+        scratch[name] = np.empty(shape, dtype=np.float32)
+    return scratch[name]
+
+
+def _row_spans(n: int) -> list[tuple[int, int]]:
+    """``n`` rows cut into one block per CPU core (at most ``n``)."""
+    parts = max(1, min(n, os.cpu_count() or 1))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _pool() -> ThreadPoolExecutor:
+    """The process's worker threads for the numpy row blocks, made on first use."""
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="zoo-vocabulary"))
+    return _POOL[0]
 
 
 @mx.compile  # traced per shape: [B, C, V] is fixed within a run
@@ -294,6 +354,7 @@ def stream_diffusion(
     reasons = ["length"] * B
     passes = np.zeros(B, dtype=np.int64)
     steps_per_block: list[int] = []
+    scratch: dict = {}  # vocabulary_step's work arrays, kept for the run
     for block in range(options.num_blocks(current_length, C)):
         if block:
             model.prefill(mx.array(sequences[:, -C:]), cache)
@@ -304,7 +365,7 @@ def stream_diffusion(
             canvas = _check_canvas(initial_canvas, B, C, V)
         else:
             canvas = noise.canvas((B, C), V)
-        argmax, steps = yield from _denoise_block(model, cache, canvas, options, noise, rows_finished, passes, block)
+        argmax, steps = yield from _denoise_block(model, cache, canvas, options, noise, rows_finished, passes, block, scratch)
         steps_per_block.append(steps)
         committed, has_eos = _commit(argmax, rows_finished, options)
         sequences = np.concatenate([sequences, committed], axis=1)
@@ -345,7 +406,7 @@ def generate_diffusion(model, prompt_ids, options: DiffusionGenerationConfig | N
     raise AssertionError("stream_diffusion ended without a result")
 
 
-def _denoise_block(model, cache, canvas, options, noise, rows_finished, passes, block):
+def _denoise_block(model, cache, canvas, options, noise, rows_finished, passes, block, scratch):
     """The inner loop of one block; yields its steps and returns ``(final argmax [B, C] numpy, steps)``."""
     N = options.max_denoising_steps
     B, C = canvas.shape
@@ -359,7 +420,7 @@ def _denoise_block(model, cache, canvas, options, noise, rows_finished, passes, 
         passes += ~(np.array(done) | rows_finished)
         temperature = options.temperature(remaining)
         head = model.head_product(model.decoder_states(canvas, cache, soft))
-        processed, probs, entropies, new_argmax = vocabulary_step(head, temperature, model.config.text.final_logit_softcapping)
+        processed, probs, entropies, new_argmax = vocabulary_step(head, temperature, model.config.text.final_logit_softcapping, scratch)
         sample = noise.sample(probs)
         accepted = entropy_bound_accept(entropies, options.entropy_bound)
         new_canvas = mx.where(accepted, sample, noise.canvas((B, C), model.config.text.vocab_size))
