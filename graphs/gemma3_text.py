@@ -99,8 +99,10 @@ class Gemma3TextModel(VocabularyHead, CheckedCaches, nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(H, config.vocab_size, bias=False)
 
-    def has_head(self) -> bool:
-        return not self.config.use_bidirectional_attention  # an encoder: hidden states, no logits
+    def split_head(self, parts: int) -> str | None:
+        """As ``VocabularyHead``, except for an encoder (EmbeddingGemma: hidden states, no logits),
+        whose table is only looked up: left as stored (no transposed copy of 805 MB made at load)."""
+        return None if self.config.use_bidirectional_attention else super().split_head(parts)
 
     def make_cache(self) -> list:
         """One cache per layer: ``RotatingKVCache(sliding_window)`` on sliding layers, ``KVCache`` on full ones.

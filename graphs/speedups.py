@@ -97,11 +97,6 @@ class VocabularyHead:
     def head_module(self) -> nn.Module:
         return self["lm_head"] if "lm_head" in self else self["embed_tokens"]
 
-    def has_head(self) -> bool:
-        """Whether this graph computes logits; an encoder's (EmbeddingGemma's) table is only looked up,
-        so ``models.precision`` leaves it as stored (no transposed copy of 805 MB made at load)."""
-        return True
-
     def split_head(self, parts: int) -> str | None:
         """Store the head's ``[V, H]`` weight as a view of its contiguous ``[H, V]`` transpose and
         cut it into ``parts`` row blocks for ``head_product``; what was done, or None when the head

@@ -223,7 +223,7 @@ def prepare(graph: nn.Module, precision: Precision, plan: DevicePlan | None = No
             notes.append(note)
     notes += cpu_kernels.apply(graph, plan.backend)  # float32 projections of a prefill on the extension's GEMM
     streams = CPU_STREAMS if switches.enabled(STREAMS_SWITCH) else 1
-    heads = [m for _, m in graph.named_modules() if isinstance(m, VocabularyHead) and m.has_head()]
+    heads = [m for _, m in graph.named_modules() if isinstance(m, VocabularyHead)]
     notes += [note for note in (head.split_head(streams) for head in heads) if note]
     note = fuse_products(graph)
     if note:

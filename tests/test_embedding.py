@@ -114,7 +114,7 @@ def test_a_small_token_budget_gives_the_same_embeddings(tiny, monkeypatch):
 def test_the_encoder_table_is_kept_as_stored(tiny):
     """An encoder computes no logits: its embedding table is not relaid out as an output head."""
     graph = tiny[2].graph
-    assert not graph.has_head() and graph.head_blocks is None
+    assert graph.split_head(2) is None and graph.head_blocks is None
 
 
 def test_the_encoder_matches_transformers_hidden_states(tiny):
