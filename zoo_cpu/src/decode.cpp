@@ -227,27 +227,30 @@ template <int BITS>
   else return static_cast<float>((bytes[d >> 1] >> ((d & 1) * 4)) & 0xF);
 }
 
-// scores = (q * scale) . (s k + b) per group = s (q . k) + b sum(q); out = sum_r p_r (s v_r + b).
-// Written out here rather than taken from a library (no BLAS reads mx.quantize's codes); the
-// group dot products keep 8 independent sums so that the compiler vectorizes them without
-// reassociating, and the body is inlined into one function per instruction set.
+// Each stored row is dequantized once into a row buffer (L1-resident, read by every query head of
+// its kv head), then the scores and the weighted sum of values are float products over it.
+// Written out here rather than taken from a library (no BLAS reads mx.quantize's codes); the dot
+// products keep 8 independent sums so that the compiler vectorizes them without reassociating,
+// and the body is inlined into one function per instruction set.
+template <int BITS>
+[[gnu::always_inline]] inline void dequantize_row(const uint8_t* codes, const float* scales, const float* biases,
+                                                  int64_t width, int64_t group, float* out) {
+  for (int64_t k = 0; k < width / group; ++k)
+    for (int64_t d = k * group; d < (k + 1) * group; ++d) out[d] = scales[k] * code_at<BITS>(codes, d) + biases[k];
+}
+
 template <int BITS>
 [[gnu::always_inline]] inline void quantized_part(const QuantizedJob& j, int chunk) {
-  constexpr int64_t kLanes = 8;  // group sizes (32, 64, 128) are multiples of it
+  constexpr int64_t kLanes = 8;  // head dims here are multiples of the group size, itself of 8
   const int64_t head = chunk / j.parts, part = chunk % j.parts;
   const int64_t b = head / j.Hkv, hk = head % j.Hkv;
   const int64_t r0 = j.size * part / j.parts, r1 = j.size * (part + 1) / j.parts, n = r1 - r0;
-  const int64_t G = j.G, D = j.D, Dv = j.Dv, gs = j.group, kg = D / gs, vg = Dv / gs;
+  const int64_t G = j.G, D = j.D, Dv = j.Dv;
   thread_local std::vector<float> buf;
-  if (static_cast<int64_t>(buf.size()) < G * (n + D + kg)) buf.resize(G * (n + D + kg));
-  float *scores = buf.data(), *qs = scores + G * n, *qsum = qs + G * D;
+  if (static_cast<int64_t>(buf.size()) < G * (n + D) + D + Dv) buf.resize(G * (n + D) + D + Dv);
+  float *scores = buf.data(), *qs = scores + G * n, *row = qs + G * D;
   const float* q = j.q + head * G * D;
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t k = 0; k < kg; ++k) {
-      float t = 0.0f;
-      for (int64_t d = k * gs; d < (k + 1) * gs; ++d) t += (qs[g * D + d] = q[g * D + d] * j.scale);
-      qsum[g * kg + k] = t;
-    }
+  for (int64_t i = 0; i < G * D; ++i) qs[i] = q[i] * j.scale;
   const uint8_t* mask = j.mask ? j.mask + b * j.mask_batch + r0 : nullptr;
   const auto at = [&](const auto* base, const int64_t* stride, int64_t r) {
     return base + b * stride[0] + hk * stride[1] + (j.start + r0 + r) * stride[2];
@@ -257,19 +260,15 @@ template <int BITS>
       for (int64_t g = 0; g < G; ++g) scores[g * n + r] = -INFINITY;
       continue;
     }
-    const auto* codes = reinterpret_cast<const uint8_t*>(at(j.kp, j.kp_stride, r));
-    const float *sc = at(j.ks, j.ks_stride, r), *bi = at(j.kb, j.kb_stride, r);
+    dequantize_row<BITS>(reinterpret_cast<const uint8_t*>(at(j.kp, j.kp_stride, r)), at(j.ks, j.ks_stride, r),
+                         at(j.kb, j.kb_stride, r), D, j.group, row);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qs + g * D;
+      float acc[kLanes] = {};
+      for (int64_t d = 0; d < D; d += kLanes)
+        for (int64_t l = 0; l < kLanes; ++l) acc[l] += qg[d + l] * row[d + l];
       float s = 0.0f;
-      for (int64_t k = 0; k < kg; ++k) {
-        float acc[kLanes] = {};
-        for (int64_t d = k * gs; d < (k + 1) * gs; d += kLanes)
-          for (int64_t l = 0; l < kLanes; ++l) acc[l] += qg[d + l] * code_at<BITS>(codes, d + l);
-        float dot = 0.0f;
-        for (int64_t l = 0; l < kLanes; ++l) dot += acc[l];
-        s += sc[k] * dot + bi[k] * qsum[g * kg + k];
-      }
+      for (int64_t l = 0; l < kLanes; ++l) s += acc[l];
       scores[g * n + r] = s;
     }
   }
@@ -284,15 +283,12 @@ template <int BITS>
   }
   for (int64_t r = 0; r < n; ++r) {
     if (mask && !mask[r]) continue;
-    const auto* codes = reinterpret_cast<const uint8_t*>(at(j.vp, j.vp_stride, r));
-    const float *sc = at(j.vs, j.vs_stride, r), *bi = at(j.vb, j.vb_stride, r);
+    dequantize_row<BITS>(reinterpret_cast<const uint8_t*>(at(j.vp, j.vp_stride, r)), at(j.vs, j.vs_stride, r),
+                         at(j.vb, j.vb_stride, r), Dv, j.group, row);
     for (int64_t g = 0; g < G; ++g) {
       const float p = scores[g * n + r];
       float* o = out + g * Dv;
-      for (int64_t k = 0; k < vg; ++k) {
-        const float a = p * sc[k], c0 = p * bi[k];
-        for (int64_t d = k * gs; d < (k + 1) * gs; ++d) o[d] += a * code_at<BITS>(codes, d) + c0;
-      }
+      for (int64_t d = 0; d < Dv; ++d) o[d] += p * row[d];
     }
   }
 }
