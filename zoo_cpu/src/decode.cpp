@@ -140,12 +140,9 @@ void norm_rotate(const Kernels& kn, const float* x, const float* w, int64_t D, f
 }
 
 // One decode attention: parts of the run on the threads, each writing its (top, sum, out).
-struct AttentionJob {
-  Kernels kn;
+// What both decode attention jobs share: the run, its mask and the parts' partial results.
+struct RunJob {
   const float* q;
-  const float* k;
-  const float* v;
-  int64_t k_stride[3], v_stride[3];
   const uint8_t* mask;
   int64_t mask_batch;  // mask floats between batch rows (0: one row for all)
   int64_t B, Hkv, G, D, Dv, start, size, parts;
@@ -153,6 +150,13 @@ struct AttentionJob {
   float* out;  // [chunks, G, Dv]
   float* top;  // [chunks, G]
   float* sum;  // [chunks, G]
+};
+
+struct AttentionJob : RunJob {
+  Kernels kn;
+  const float* k;
+  const float* v;
+  int64_t k_stride[3], v_stride[3];
 };
 
 void attention_chunk(void* ctx, int chunk) {
@@ -204,21 +208,38 @@ void merge_parts(float* o, const float* out, const float* top, const float* sum,
     }
 }
 
+// The run of `job` (its q, shapes and planes set) attended into o: `start` clamped into the planes'
+// T rows (so that no value can be read past them), the mask read, the parts on the threads.
+template <class Job>
+void attend_in_parts(Job& j, void (*part)(void*, int), const mx::array& start, const mx::array* mask, int64_t T,
+                     int64_t size, float scale, float* o) {
+  const int64_t first = start.data<int32_t>()[0];
+  j.start = first < 0 ? 0 : (first > T - size ? T - size : first);
+  j.size = size;
+  j.scale = scale;
+  std::vector<uint8_t> mc;
+  if (mask) {
+    j.mask = dense(*mask, mc);
+    j.mask_batch = mask->shape(0) > 1 ? size : 0;
+  }
+  j.parts = parts_of(size);
+  const int64_t chunks = j.B * j.Hkv * j.parts;
+  std::vector<float> partial(chunks * j.G * (j.Dv + 2));
+  j.out = partial.data();
+  j.top = j.out + chunks * j.G * j.Dv;
+  j.sum = j.top + chunks * j.G;
+  parallel_chunks(static_cast<int>(chunks), part, &j);
+  merge_parts(o, j.out, j.top, j.sum, j.B * j.Hkv, j.parts, j.G, j.Dv);
+}
+
 // One decode attention over quantized planes (mx.quantize's layout: codes packed low bits first
 // in uint32 words along the head dim, one scale and bias per group): the same parts and merge as
 // the float job, the codes read in place and never dequantized into a buffer.
-struct QuantizedJob {
-  const float* q;
+struct QuantizedJob : RunJob {
   const uint32_t *kp, *vp;
   const float *ks, *kb, *vs, *vb;
   int64_t kp_stride[3], ks_stride[3], kb_stride[3], vp_stride[3], vs_stride[3], vb_stride[3];
-  const uint8_t* mask;
-  int64_t mask_batch;
-  int64_t B, Hkv, G, D, Dv, start, size, parts, group;
-  float scale;
-  float* out;  // [chunks, G, Dv]
-  float* top;  // [chunks, G]
-  float* sum;  // [chunks, G]
+  int64_t group;
 };
 
 template <int BITS>
@@ -383,27 +404,9 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     j.v = rows_of(v, j.v_stride, vc);
     j.kn = vector_kernels(isa);
     std::vector<float> qc;
-    std::vector<uint8_t> mc;
     j.q = dense(q, qc);
     j.B = q.shape(0), j.Hkv = k.shape(1), j.G = q.shape(1) / k.shape(1), j.D = q.shape(3), j.Dv = v.shape(3);
-    // The cache hands a start inside its planes; clamped so that no value can read past them.
-    const int64_t T = k.shape(2), first = inputs[3].data<int32_t>()[0];
-    j.start = first < 0 ? 0 : (first > T - size ? T - size : first);
-    j.size = size;
-    j.scale = scale;
-    if (masked) {
-      const auto& m = inputs[4];
-      j.mask = dense(m, mc);
-      j.mask_batch = m.shape(0) > 1 ? size : 0;
-    }
-    j.parts = parts_of(size);
-    const int64_t chunks = j.B * j.Hkv * j.parts;
-    std::vector<float> partial(chunks * j.G * (j.Dv + 2));
-    j.out = partial.data();
-    j.top = j.out + chunks * j.G * j.Dv;
-    j.sum = j.top + chunks * j.G;
-    parallel_chunks(static_cast<int>(chunks), attention_chunk, &j);
-    merge_parts(o, j.out, j.top, j.sum, j.B * j.Hkv, j.parts, j.G, j.Dv);
+    attend_in_parts(j, attention_chunk, inputs[3], masked ? &inputs[4] : nullptr, k.shape(2), size, scale, o);
   });
 }
 
@@ -421,7 +424,6 @@ void DecodeAttentionQuantized::eval_cpu(const std::vector<mx::array>& inputs, mx
     QuantizedJob j{};
     std::vector<float> qc, ksc, kbc, vsc, vbc;
     std::vector<uint32_t> kpc, vpc;
-    std::vector<uint8_t> mc;
     j.q = dense(q, qc);
     j.kp = rows_of(inputs[1], j.kp_stride, kpc);
     j.ks = rows_of(inputs[2], j.ks_stride, ksc);
@@ -431,24 +433,8 @@ void DecodeAttentionQuantized::eval_cpu(const std::vector<mx::array>& inputs, mx
     j.vb = rows_of(inputs[6], j.vb_stride, vbc);
     j.B = q.shape(0), j.Hkv = inputs[1].shape(1), j.G = q.shape(1) / j.Hkv, j.D = q.shape(3);
     j.group = group, j.Dv = inputs[5].shape(3) * group;
-    // As the float job: the start clamped so that no row past the planes is read.
-    const int64_t T = inputs[1].shape(2), first = inputs[7].data<int32_t>()[0];
-    j.start = first < 0 ? 0 : (first > T - size ? T - size : first);
-    j.size = size;
-    j.scale = scale;
-    if (masked) {
-      const auto& m = inputs[8];
-      j.mask = dense(m, mc);
-      j.mask_batch = m.shape(0) > 1 ? size : 0;
-    }
-    j.parts = parts_of(size);
-    const int64_t chunks = j.B * j.Hkv * j.parts;
-    std::vector<float> partial(chunks * j.G * (j.Dv + 2));
-    j.out = partial.data();
-    j.top = j.out + chunks * j.G * j.Dv;
-    j.sum = j.top + chunks * j.G;
-    parallel_chunks(static_cast<int>(chunks), quantized_part_fn(bits, isa), &j);
-    merge_parts(o, j.out, j.top, j.sum, j.B * j.Hkv, j.parts, j.G, j.Dv);
+    attend_in_parts(j, quantized_part_fn(bits, isa), inputs[7], masked ? &inputs[8] : nullptr, inputs[1].shape(2), size,
+                    scale, o);
   });
 }
 
