@@ -4,6 +4,7 @@ ones on the full-attention layers, and what the 8-bit ones cost in quality (KL a
     python -m benchmarks.long_context                       # the real 270M, 8-bit and float32 weights
     python -m benchmarks.long_context --models gemma-3-270m-8bit --prompt-tokens 512,8192,32704 --gen 32
     python -m benchmarks.long_context --smoke               # a tiny random Gemma 3 (benchmarks.smoke)
+    python -m benchmarks.long_context --reads --prompt-tokens 512,8192,32704   # one layer's decode read
 
 For each model (zoo names or folders, loaded as users load them) and prompt length: the prompt
 (``benchmarks.speed.prompt_ids``) but its last token is prefilled once into a fresh cache
@@ -21,6 +22,11 @@ end of the prompt; the ceiling is the measured bandwidth (``benchmarks.speed.ban
 those bytes. Quality: the float variant's tokens are fed again to fresh copies of both variants
 one by one (teacher forcing), and the KL of the 8-bit variant's next-token distribution from the
 float one's is averaged over the positions (max also shown), with top-1 agreement.
+
+``--reads``: one full-attention layer's decode read alone (the 270M's shape: 4 query heads over one
+kv head of width 256), the same run of T stored rows through the float decode kernel, the 8-bit
+decode kernel and MLX's ``quantized_matmul`` pair (the zoo's decode kernels off), interleaved, the
+median of ``--repeats`` calls each; GB/s is the planes' bytes over the time.
 """
 
 from __future__ import annotations
@@ -93,6 +99,39 @@ def measure(model, n_prompt: int, gen: int, bandwidth: float, weight_bytes: int)
     return result
 
 
+def read_rates(lengths: list[int], repeats: int) -> None:
+    """Print one layer's decode read at each length: ms and GB/s per way of reading the planes."""
+    from dataclasses import replace
+
+    from cache.codecs import Dense, Quantized
+    from zoo_cpu import backend
+
+    rng = np.random.default_rng(0)
+    ways = {"float kernel": (Dense(), True), "8-bit kernel": (Quantized(8, 64), True),
+            "8-bit, MLX quantized_matmul": (Quantized(8, 64), False)}  # fmt: skip
+    print(f"one layer's decode read (q [1, 4, 1, 256] over [1, 1, T, 256] keys and values), median of {repeats}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")  # fmt: skip
+    print("| T | read | MB | ms | GB/s | vs float kernel |")
+    print("|---|---|---|---|---|---|")
+    for T in lengths:
+        q = mx.array(rng.standard_normal((1, 4, 1, 256)).astype(np.float32))
+        kv = [mx.array(rng.standard_normal((1, 1, T, 256)).astype(np.float32)) for _ in range(2)]
+        planes = {name: [codec.pack(x) for x in kv] for name, (codec, _) in ways.items()}
+        mx.eval(planes)
+        times = {name: [] for name in ways}
+        for _ in range(repeats):
+            for name, (codec, kernels) in ways.items():
+                with backend.using(replace(backend.active(), decode=kernels)):
+                    start = time.perf_counter()
+                    mx.eval(codec.attend(q, *planes[name], 0.0625, None))
+                    times[name].append(time.perf_counter() - start)
+        base = statistics.median(times["float kernel"])
+        for name in ways:
+            t = statistics.median(times[name])
+            mb = sum(p.nbytes for x in planes[name] for p in x) / 1e6
+            print(f"| {T} | {name} | {mb:.1f} | {1e3 * t:.2f} | {mb / 1e3 / t:.1f} | {base / t:.2f}x |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="gemma-3-270m-8bit,gemma-3-270m")
@@ -100,7 +139,12 @@ def main() -> None:
     parser.add_argument("--gen", type=int, default=32)
     parser.add_argument("--runs", type=int, default=1, help="measurements per (model, length); cells are medians")
     parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
+    parser.add_argument("--reads", action="store_true", help="time one layer's decode read only (see above)")
+    parser.add_argument("--repeats", type=int, default=15, help="calls per read with --reads")
     args = parser.parse_args()
+    if args.reads:
+        read_rates([int(n) for n in args.prompt_tokens.split(",")], args.repeats)
+        return
     record = smoke.Record("long_context")
     if args.smoke:
         tiny = smoke.tiny_checkpoint("gemma3")

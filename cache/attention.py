@@ -13,7 +13,8 @@ one head than of all heads together, so the products are larger and there are fe
 of the two there. Where the backend runs the zoo's C++ kernels (``zoo_cpu.backend``), float32
 queries of a chunk go instead through its fused attention: per block of 32 query rows of one head,
 the scores, masked softmax and product with the values on both cores, the blocks above unused;
-and a single float32 query through its decode attention (``zoo_cpu.decode``: one node).
+and a single float32 query through its decode attention (``zoo_cpu.decode``: one node; float or
+8-/4-bit quantized planes).
 ``docs/speed.md`` has the measurements.
 """
 
@@ -40,7 +41,7 @@ BLOCK_SCORES_UNMASKED = 1 << 18
 def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) -> mx.array:
     """``softmax(q k^T * scale + mask) v`` with GQA; ``mask`` as ``cache.masks`` builds it."""
     if q.shape[2] == 1:
-        out = attend_query_run(q, keys, values, _FIRST_ROW, keys.shape[2], scale, mask)
+        out = attend_query_run(q, keys, values, FIRST_ROW, keys.shape[2], scale, mask)
         if out is not None:
             return out
     chosen = backend.active()
@@ -69,17 +70,35 @@ def attend(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask) ->
     return mx.concatenate(outs, axis=2)
 
 
-_FIRST_ROW = mx.array(0, dtype=mx.int32)
+FIRST_ROW = mx.array(0, dtype=mx.int32)  # a read of whole planes as a run from their first row
 
 
 def attend_query_run(q: mx.array, keys: mx.array, values: mx.array, start: mx.array, size: int, scale: float, mask):
     """One float32 query per row over rows ``[start, start + size)`` of ``keys``/``values`` (whole
     planes, read in place) through the decode kernel (``zoo_cpu.decode``), or None where the backend
     does not run it or it does not take the read (then the caller attends a slice its own way)."""
-    if not backend.active().decode or q.shape[2] != 1 or not q.dtype == keys.dtype == values.dtype == mx.float32:
+    rows = _decode_rows(q, mask)
+    if rows is False or not keys.dtype == values.dtype == mx.float32:
         return None
-    rows = _query_mask(mask, q.shape[0])
-    return None if rows is False else decode.attention(q, keys, values, start, size, scale, rows)
+    return decode.attention(q, keys, values, start, size, scale, rows)
+
+
+def attend_quantized_query_run(q: mx.array, keys: tuple, values: tuple, start: mx.array, size: int, scale: float,
+                               mask, bits: int, group_size: int):
+    """``attend_query_run`` over ``mx.quantize``'s (packed, scales, biases) planes: the quantized
+    decode kernel reads the codes in place (4 or 8 bits, float32 scales and biases), or None."""
+    rows = _decode_rows(q, mask)
+    if rows is False or bits not in decode.QUANTIZED_BITS or any(p.dtype != mx.float32 for p in (*keys[1:], *values[1:])):
+        return None
+    return decode.attention_quantized(q, keys, values, start, size, scale, rows, bits, group_size)
+
+
+def _decode_rows(q: mx.array, mask):
+    """The mask as the decode kernels take it, or False where they do not run (backend off, more
+    than one query, a query that is not float32, a mask form they do not take)."""
+    if not backend.active().decode or q.shape[2] != 1 or q.dtype != mx.float32:
+        return False
+    return _query_mask(mask, q.shape[0])
 
 
 def _query_mask(mask, batch: int):

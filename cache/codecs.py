@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .attention import attend, attend_query_run, fold_queries, masked_softmax, unfold_queries
+from .attention import FIRST_ROW, attend, attend_quantized_query_run, attend_query_run, fold_queries, masked_softmax, unfold_queries
 
 Planes = tuple  # tuple[mx.array, ...], position axis -2
 
@@ -73,7 +73,9 @@ class Dense(Codec):
 
 class Quantized(Codec):
     """MLX affine quantization along the head dim (``mx.quantize``), attended without ever
-    dequantizing the stored history: two ``mx.quantized_matmul`` products around an fp32 softmax.
+    dequantizing the stored history: a single float32 query through the zoo's quantized decode
+    kernel where it runs (``zoo_cpu.decode.attention_quantized``), anything else through two
+    ``mx.quantized_matmul`` products around an fp32 softmax.
 
     Written here rather than taken from mlx-lm's ``quantized_scaled_dot_product_attention`` because
     that one reshapes its output with the key head dim (wrong when values have another width) and
@@ -132,7 +134,19 @@ class Quantized(Codec):
         """Dequantize (packed, scales, biases) back to ``[B, H, L, D]``."""
         return mx.dequantize(*planes, group_size=self.group_size, bits=self.bits)
 
+    def attend_run(self, q: mx.array, keys: Planes, values: Planes, start: mx.array, size: int, scale: float,
+                   mask) -> mx.array:
+        """One float32 query per row on the CPU: the quantized decode kernel reads the run's codes in
+        place; anything else slices the run and attends it."""
+        out = attend_quantized_query_run(q, keys, values, start, size, scale, mask, self.bits, self.group_size)
+        return out if out is not None else super().attend_run(q, keys, values, start, size, scale, mask)
+
     def attend(self, q: mx.array, keys: Planes, values: Planes, scale: float, mask) -> mx.array:
+        if q.shape[2] == 1:
+            out = attend_quantized_query_run(q, keys, values, FIRST_ROW, keys[0].shape[2], scale, mask, self.bits,
+                                             self.group_size)  # fmt: skip
+            if out is not None:
+                return out
         # GQA by folding each kv head's query heads into rows: the stored planes are used as they
         # are, never broadcast (a broadcast would copy the whole history once per query head).
         quantized = dict(group_size=self.group_size, bits=self.bits)

@@ -103,7 +103,8 @@ class QuantizedStorage:
 
 class QuantizedKVCache(QuantizedStorage, KVCache):
     """``KVCache`` on MLX affine-quantized storage (``bits`` 2-8, ``group_size`` 32/64/128 along
-    the head dim); the reads attend with quantized matmuls and never dequantize the history."""
+    the head dim); the reads attend with quantized matmuls (a decode read: the quantized decode
+    kernel) and never dequantize the history."""
 
     kind = "full-quantized"
 

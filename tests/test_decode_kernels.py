@@ -119,6 +119,43 @@ def test_attention_reads_strided_planes_in_place():
     np.testing.assert_allclose(np.array(got), want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
+@settings(max_examples=60, deadline=None)
+@given(B=st.integers(1, 2), Hkv=st.integers(1, 2), groups=st.integers(1, 4), D=st.sampled_from([64, 128, 256]),
+       Dv=st.sampled_from([64, 256]), group=st.sampled_from([32, 64]), bits=st.sampled_from(decode.QUANTIZED_BITS),
+       T=st.integers(1, 700), data=st.data(), isa=st.sampled_from(ISAS or ["portable"]))  # fmt: skip
+def test_quantized_attention_matches_float64_over_a_run(B, Hkv, groups, D, Dv, group, bits, T, data, isa):
+    """The quantized read equals float64 attention over the planes' dequantized values (what the
+    codes stand for), so the kernel adds no error beyond the storage's own."""
+    size = data.draw(st.integers(1, T))
+    start = data.draw(st.integers(0, T - size))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    q = rng.standard_normal((B, Hkv * groups, 1, D)).astype(np.float32)
+    keys = mx.quantize(mx.array(rng.standard_normal((B, Hkv, T, D)).astype(np.float32)), group_size=group, bits=bits)
+    values = mx.quantize(mx.array(rng.standard_normal((B, Hkv, T, Dv)).astype(np.float32)), group_size=group, bits=bits)
+    mask = data.draw(st.sampled_from([None, "per_row"]))
+    if mask:
+        mask = rng.random((B, size)) < 0.7
+        mask[:, -1] = True
+    got = decode.attention_quantized(mx.array(q), keys, values, mx.array(start), size, 0.125,
+                                     None if mask is None else mx.array(mask), bits, group, isa=isa)  # fmt: skip
+    dense = [np.array(mx.dequantize(*planes, group_size=group, bits=bits)) for planes in (keys, values)]
+    want = attention64(q, *dense, start, size, 0.125, mask)
+    np.testing.assert_allclose(np.array(got), want, rtol=0, atol=5e-6 * max(1.0, np.abs(want).max()))
+
+
+def test_quantized_attention_reads_strided_planes_in_place():
+    """A quantized cache's rows are views of its buffers too (packed words, scales, biases)."""
+    rng = np.random.default_rng(4)
+    full = [mx.quantize(mx.array(rng.standard_normal((1, 2, 400, 64)).astype(np.float32)), group_size=64, bits=8)
+            for _ in range(2)]  # fmt: skip
+    keys, values = (tuple(p[:, :, :300] for p in planes) for planes in full)
+    q = rng.standard_normal((1, 2, 1, 64)).astype(np.float32)
+    got = decode.attention_quantized(mx.array(q), keys, values, mx.array(20), 280, 0.3, None, 8, 64)
+    dense = [np.array(mx.dequantize(*planes, group_size=64, bits=8)) for planes in (keys, values)]
+    want = attention64(q, *dense, 20, 280, 0.3, None)
+    np.testing.assert_allclose(np.array(got), want, rtol=0, atol=5e-6 * np.abs(want).max())
+
+
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 9), D=st.integers(1, 300), shift=st.sampled_from([0.0, 1.0]), residual=st.booleans(),
        isa=st.sampled_from(ISAS or ["portable"]), seed=st.integers(0, 2**16))  # fmt: skip
@@ -145,6 +182,9 @@ def test_gelu_gate_of_a_joined_product_matches_float64(rows, width, isa, seed):
     assert np.abs(got - want).max() <= 1e-6 * (np.abs(gate).max() * np.abs(up).max() + 1)
 
 
+QUANTIZED_ROWS = tuple(mx.quantize(mx.zeros((1, 1, 4, 64)), group_size=64, bits=8))  # 4 rows of head dim 64
+
+
 @pytest.mark.parametrize(
     "call, message",
     [
@@ -163,6 +203,10 @@ def test_gelu_gate_of_a_joined_product_matches_float64(rows, width, isa, seed):
         (lambda: prefill.rms_norm(mx.zeros((1, 4)), None, 1e-6, 1.0), r"shift applies to a weight"),
         (lambda: prefill.gelu_gated(mx.zeros((1, 5)), None), r"even last axis, got \[1, 5\]"),
         (lambda: prefill.rms_norm(mx.zeros((1, 4)), mx.ones((4,)), 1e-6, 0.0, mx.zeros((2, 4))), r"residual \[2, 4\] must have x's shape"),
+        (lambda: decode.attention_quantized(mx.zeros((1, 1, 1, 64)), QUANTIZED_ROWS, QUANTIZED_ROWS, mx.array(0), 4, 1.0, None, 3, 64),
+         r"bits must be 4 or 8, got 3"),
+        (lambda: decode.attention_quantized(mx.zeros((1, 1, 1, 128)), QUANTIZED_ROWS, QUANTIZED_ROWS, mx.array(0), 4, 1.0, None, 8, 64),
+         r"keys of head dim 128 at 8 bits, group 64 need packed \[..., 32\]"),
     ],
 )
 def test_bad_arguments_are_named(call, message):
@@ -174,6 +218,7 @@ def test_bad_arguments_are_named(call, message):
 transformers = pytest.importorskip("transformers")
 from tests import hf_tiny  # noqa: E402
 from tests.test_batch_generate import gemma3  # noqa: E402, F401  (the tiny Gemma 3 fixture)
+from tests.test_gemma3_text_parity import BASE as GEMMA3_BASE  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["T1", "T2", "T3", "E2B_like"])
@@ -217,6 +262,31 @@ def test_gemma4_kernels_as_close_to_float64_as_mlx_ops(gemma4, compiled):
 @pytest.mark.parametrize("rows", [1, 3])
 def test_gemma3_kernels_equal_mlx_ops(gemma3, rows):
     for a, b in zip(steps(gemma3, False, True, rows)[1], steps(gemma3, True, True, rows)[1]):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def gemma3_head64(tmp_path_factory):
+    """The tiny random Gemma 3 with head dim 64, which quantization groups of 32 and 64 fit."""
+    import models
+
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("gemma3_head64")
+    transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(**dict(GEMMA3_BASE, head_dim=64))).save_pretrained(folder)
+    return models.load(str(folder), tokenizer=False)
+
+
+@pytest.mark.parametrize("bits, group", [(8, 64), (4, 32)])
+@pytest.mark.parametrize("compiled", [True, False])
+def test_gemma3_quantized_kv_kernel_equals_mlx_ops(gemma3_head64, bits, group, compiled, monkeypatch):
+    """Quantized keys and values on every layer: the quantized decode kernel gives the logits MLX's
+    quantized_matmul pair gives, step after step (the sliding layers' windows fill and slide)."""
+    make = gemma3_head64.make_cache
+    monkeypatch.setattr(gemma3_head64, "make_cache", lambda: [c.to_quantized(bits, group) for c in make()])
+    off, on = steps(gemma3_head64, False, compiled), steps(gemma3_head64, True, compiled)
+    assert on[0] == off[0]
+    for a, b in zip(off[1], on[1]):
         np.testing.assert_allclose(b, a, rtol=0, atol=1e-5)
 
 

@@ -11,7 +11,9 @@ a residual, so that the pieces a layer repeats are one node each:
   normed without a weight where the layer does (Gemma 4);
 - ``attention``: one query per row against a run of rows of a cache's key and value planes from
   a row given as an array, read in place (no slice of the planes is made), masked by the mask the
-  cache built; parts of the run on the extension's threads, merged by their maxima.
+  cache built; parts of the run on the extension's threads, merged by their maxima;
+- ``attention_quantized``: the same over ``mx.quantize``'s planes (8 or 4 bits), the codes read in
+  place (MLX's ``quantized_matmul`` pair it replaces runs far below the bandwidth: docs/long_context.md).
 
 Float32 only, the same arithmetic as ``zoo_cpu.fast_math``'s chains up to summation order
 (``tests/test_decode_kernels.py``). ``fast_math`` and ``cache`` call them where ``zoo_cpu.backend``
@@ -23,6 +25,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .extension import module as _module
+
+QUANTIZED_BITS = (4, 8)  # the widths whose codes pack whole into bytes
 
 
 def heads(projected: mx.array, heads: int, kv_heads: int, has_v: bool, head_dim: int, q_weight, k_weight,
@@ -42,3 +46,12 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, start: mx.array, si
     of ``keys``/``values [B, Hkv, T, D]``; ``start`` an int32 array, ``mask`` None or bool ``[1 or B, size]``."""
     start = start.reshape(1).astype(mx.int32)
     return _module().decode_attention(q, keys, values, start, size, float(scale), mask, isa or "")
+
+
+def attention_quantized(q: mx.array, keys: tuple, values: tuple, start: mx.array, size: int, scale: float, mask,
+                        bits: int, group_size: int, isa: str | None = None) -> mx.array:
+    """``attention`` over keys and values stored as ``mx.quantize``'s (packed uint32, scales, biases)
+    planes ``[B, Hkv, T, ...]`` with float32 scales and biases, ``bits`` in ``QUANTIZED_BITS``."""
+    start = start.reshape(1).astype(mx.int32)
+    return _module().decode_attention_quantized(q, *keys, *values, start, size, float(scale), mask, bits, group_size,
+                                                isa or "")

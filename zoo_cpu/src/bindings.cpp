@@ -39,6 +39,10 @@ NB_MODULE(_packed, m) {
   m.def("decode_attention", &zoo::decode_attention, "q"_a, "keys"_a, "values"_a, "start"_a, "size"_a, "scale"_a,
         "mask"_a = nb::none(), "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "one query per row against rows [start, start + size) of the key and value planes, read in place, float32");
+  m.def("decode_attention_quantized", &zoo::decode_attention_quantized, "q"_a, "k_packed"_a, "k_scales"_a,
+        "k_biases"_a, "v_packed"_a, "v_scales"_a, "v_biases"_a, "start"_a, "size"_a, "scale"_a, "mask"_a = nb::none(),
+        "bits"_a = 8, "group_size"_a = 64, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
+        "decode_attention over mx.quantize's key and value planes (4 or 8 bits), the codes read in place");
   m.def("available_isas", &zoo::available_isas, "instruction sets this CPU and build run, widest first");
   m.def("threads", &zoo::threads, "threads the products split their rows over");
   m.def("set_threads", &zoo::set_threads, "n"_a, "split products over at most n threads (1 to the CPUs available)");

@@ -77,6 +77,57 @@ mx::array decode_attention(const mx::array& q, const mx::array& keys, const mx::
                    std::make_shared<DecodeAttention>(stream, parse_isa(isa), settings), std::move(inputs));
 }
 
+mx::array decode_attention_quantized(const mx::array& q, const mx::array& k_packed, const mx::array& k_scales,
+                                     const mx::array& k_biases, const mx::array& v_packed, const mx::array& v_scales,
+                                     const mx::array& v_biases, const mx::array& start, int size, float scale,
+                                     const std::optional<mx::array>& mask, int bits, int group_size,
+                                     const std::string& isa, mx::StreamOrDevice s) {
+  const char* op = "decode_attention_quantized";
+  auto stream = cpu_only(op, s);
+  check_float32(op, {{"q", &q}, {"k_scales", &k_scales}, {"k_biases", &k_biases}, {"v_scales", &v_scales},
+                     {"v_biases", &v_biases}});
+  if (bits != 4 && bits != 8) fail(op, "bits must be 4 or 8, got " + std::to_string(bits));
+  if (group_size != 32 && group_size != 64 && group_size != 128)
+    fail(op, "group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  if (q.ndim() != 4 || q.shape(2) != 1) fail(op, "q must be [B, Hq, 1, D], got " + shape_of(q));
+  const int B = q.shape(0), Hq = q.shape(1), D = q.shape(3);
+  for (const auto& [name, a] : {std::pair{"k_packed", &k_packed}, std::pair{"k_scales", &k_scales},
+                                std::pair{"k_biases", &k_biases}, std::pair{"v_packed", &v_packed},
+                                std::pair{"v_scales", &v_scales}, std::pair{"v_biases", &v_biases}})
+    if (a->ndim() != 4 || a->shape(0) != B || a->shape(1) != k_packed.shape(1) || a->shape(2) != k_packed.shape(2))
+      fail(op, std::string(name) + " must be [" + std::to_string(B) + ", Hkv, T, ...] like k_packed " +
+                   shape_of(k_packed) + ", got " + shape_of(*a));
+  if (k_packed.dtype() != mx::uint32 || v_packed.dtype() != mx::uint32)
+    fail(op, "k_packed and v_packed must be uint32 words (mx.quantize's), got " + shape_of(k_packed) + " and " +
+                 shape_of(v_packed));
+  const int Hkv = k_packed.shape(1), T = k_packed.shape(2), Dv = v_scales.shape(3) * group_size;
+  if (D % group_size != 0 || k_packed.shape(3) != D * bits / 32 || k_scales.shape(3) != D / group_size ||
+      k_biases.shape(3) != D / group_size)
+    fail(op, "keys of head dim " + std::to_string(D) + " at " + std::to_string(bits) + " bits, group " +
+                 std::to_string(group_size) + " need packed [..., " + std::to_string(D * bits / 32) +
+                 "] and scales, biases [..., " + std::to_string(D / group_size) + "], got " + shape_of(k_packed) +
+                 ", " + shape_of(k_scales) + ", " + shape_of(k_biases));
+  if (v_packed.shape(3) != Dv * bits / 32 || v_biases.shape(3) != v_scales.shape(3))
+    fail(op, "values " + shape_of(v_packed) + ", " + shape_of(v_scales) + ", " + shape_of(v_biases) +
+                 " are not one head dim at " + std::to_string(bits) + " bits, group " + std::to_string(group_size));
+  if (Hkv < 1 || Hq % Hkv != 0)
+    fail(op, "query heads " + std::to_string(Hq) + " are not a multiple of kv heads " + std::to_string(Hkv));
+  if (size < 1 || size > T) fail(op, "size must be in [1, " + std::to_string(T) + "] (the planes' rows), got " + std::to_string(size));
+  if (start.dtype() != mx::int32 || start.size() != 1) fail(op, "start must be one int32, got " + shape_of(start));
+  if (!(scale > 0.0f)) fail(op, "scale must be > 0, got " + std::to_string(scale));
+  std::vector<mx::array> inputs{q, k_packed, k_scales, k_biases, v_packed, v_scales, v_biases, start};
+  if (mask) {
+    const auto& m = *mask;
+    if (m.dtype() != mx::bool_ || m.ndim() != 2 || (m.shape(0) != 1 && m.shape(0) != B) || m.shape(1) != size)
+      fail(op, "mask must be bool [1 or B, size] with size " + std::to_string(size) + ", got " + shape_of(m));
+    inputs.push_back(m);
+  }
+  const std::vector<float> settings{scale, static_cast<float>(size), mask ? 1.0f : 0.0f, static_cast<float>(bits),
+                                    static_cast<float>(group_size)};
+  return mx::array({B, Hq, 1, Dv}, mx::float32, std::make_shared<DecodeAttentionQuantized>(stream, parse_isa(isa), settings),
+                   std::move(inputs));
+}
+
 // ------------------------------------------------------------------------------------ evaluation
 namespace {
 
@@ -89,12 +140,9 @@ void norm_rotate(const Kernels& kn, const float* x, const float* w, int64_t D, f
 }
 
 // One decode attention: parts of the run on the threads, each writing its (top, sum, out).
-struct AttentionJob {
-  Kernels kn;
+// What both decode attention jobs share: the run, its mask and the parts' partial results.
+struct RunJob {
   const float* q;
-  const float* k;
-  const float* v;
-  int64_t k_stride[3], v_stride[3];
   const uint8_t* mask;
   int64_t mask_batch;  // mask floats between batch rows (0: one row for all)
   int64_t B, Hkv, G, D, Dv, start, size, parts;
@@ -102,6 +150,13 @@ struct AttentionJob {
   float* out;  // [chunks, G, Dv]
   float* top;  // [chunks, G]
   float* sum;  // [chunks, G]
+};
+
+struct AttentionJob : RunJob {
+  Kernels kn;
+  const float* k;
+  const float* v;
+  int64_t k_stride[3], v_stride[3];
 };
 
 void attention_chunk(void* ctx, int chunk) {
@@ -121,6 +176,165 @@ void attention_chunk(void* ctx, int chunk) {
 
 constexpr int64_t kPartRows = 128;  // rows below which a part of the run is not worth a thread
 constexpr int64_t kMaxParts = 4;
+
+// The number of parts a run of `size` rows is split into (per batch row and kv head).
+int64_t parts_of(int64_t size) {
+  const int64_t wanted = size / kPartRows;
+  return wanted < 1 ? 1 : (wanted > kMaxParts ? kMaxParts : wanted);
+}
+
+// Merge the parts of each query row into o [heads, G, Dv]: weights e^(top_p - max), over the
+// weighted sums. out [heads * parts, G, Dv], top and sum [heads * parts, G].
+void merge_parts(float* o, const float* out, const float* top, const float* sum, int64_t heads, int64_t parts,
+                 int64_t G, int64_t Dv) {
+  for (int64_t head = 0; head < heads; ++head)
+    for (int64_t g = 0; g < G; ++g) {
+      float m = -INFINITY;
+      for (int64_t p = 0; p < parts; ++p) m = std::fmax(m, top[(head * parts + p) * G + g]);
+      float* dst = o + (head * G + g) * Dv;
+      for (int64_t c = 0; c < Dv; ++c) dst[c] = 0.0f;
+      if (m == -INFINITY) continue;  // every key masked: the cache never asks for this
+      float total = 0.0f;
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t at = (head * parts + p) * G + g;
+        if (top[at] == -INFINITY) continue;
+        const float f = std::exp(top[at] - m);
+        total += f * sum[at];
+        const float* part = out + at * Dv;
+        for (int64_t c = 0; c < Dv; ++c) dst[c] += f * part[c];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t c = 0; c < Dv; ++c) dst[c] *= inv;
+    }
+}
+
+// The run of `job` (its q, shapes and planes set) attended into o: `start` clamped into the planes'
+// T rows (so that no value can be read past them), the mask read, the parts on the threads.
+template <class Job>
+void attend_in_parts(Job& j, void (*part)(void*, int), const mx::array& start, const mx::array* mask, int64_t T,
+                     int64_t size, float scale, float* o) {
+  const int64_t first = start.data<int32_t>()[0];
+  j.start = first < 0 ? 0 : (first > T - size ? T - size : first);
+  j.size = size;
+  j.scale = scale;
+  std::vector<uint8_t> mc;
+  if (mask) {
+    j.mask = dense(*mask, mc);
+    j.mask_batch = mask->shape(0) > 1 ? size : 0;
+  }
+  j.parts = parts_of(size);
+  const int64_t chunks = j.B * j.Hkv * j.parts;
+  std::vector<float> partial(chunks * j.G * (j.Dv + 2));
+  j.out = partial.data();
+  j.top = j.out + chunks * j.G * j.Dv;
+  j.sum = j.top + chunks * j.G;
+  parallel_chunks(static_cast<int>(chunks), part, &j);
+  merge_parts(o, j.out, j.top, j.sum, j.B * j.Hkv, j.parts, j.G, j.Dv);
+}
+
+// One decode attention over quantized planes (mx.quantize's layout: codes packed low bits first
+// in uint32 words along the head dim, one scale and bias per group): the same parts and merge as
+// the float job, the codes read in place and never dequantized into a buffer.
+struct QuantizedJob : RunJob {
+  const uint32_t *kp, *vp;
+  const float *ks, *kb, *vs, *vb;
+  int64_t kp_stride[3], ks_stride[3], kb_stride[3], vp_stride[3], vs_stride[3], vb_stride[3];
+  int64_t group;
+};
+
+template <int BITS>
+[[gnu::always_inline]] inline float code_at(const uint8_t* bytes, int64_t d) {
+  if constexpr (BITS == 8) return static_cast<float>(bytes[d]);
+  else return static_cast<float>((bytes[d >> 1] >> ((d & 1) * 4)) & 0xF);
+}
+
+// Each stored row is dequantized once into a row buffer (L1-resident, read by every query head of
+// its kv head), then the scores and the weighted sum of values are float products over it.
+// Written out here rather than taken from a library (no BLAS reads mx.quantize's codes); the dot
+// products keep 8 independent sums so that the compiler vectorizes them without reassociating,
+// and the body is inlined into one function per instruction set.
+template <int BITS>
+[[gnu::always_inline]] inline void dequantize_row(const uint8_t* codes, const float* scales, const float* biases,
+                                                  int64_t width, int64_t group, float* out) {
+  for (int64_t k = 0; k < width / group; ++k)
+    for (int64_t d = k * group; d < (k + 1) * group; ++d) out[d] = scales[k] * code_at<BITS>(codes, d) + biases[k];
+}
+
+template <int BITS>
+[[gnu::always_inline]] inline void quantized_part(const QuantizedJob& j, int chunk) {
+  constexpr int64_t kLanes = 8;  // head dims here are multiples of the group size, itself of 8
+  const int64_t head = chunk / j.parts, part = chunk % j.parts;
+  const int64_t b = head / j.Hkv, hk = head % j.Hkv;
+  const int64_t r0 = j.size * part / j.parts, r1 = j.size * (part + 1) / j.parts, n = r1 - r0;
+  const int64_t G = j.G, D = j.D, Dv = j.Dv;
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < G * (n + D) + D + Dv) buf.resize(G * (n + D) + D + Dv);
+  float *scores = buf.data(), *qs = scores + G * n, *row = qs + G * D;
+  const float* q = j.q + head * G * D;
+  for (int64_t i = 0; i < G * D; ++i) qs[i] = q[i] * j.scale;
+  const uint8_t* mask = j.mask ? j.mask + b * j.mask_batch + r0 : nullptr;
+  const auto at = [&](const auto* base, const int64_t* stride, int64_t r) {
+    return base + b * stride[0] + hk * stride[1] + (j.start + r0 + r) * stride[2];
+  };
+  for (int64_t r = 0; r < n; ++r) {
+    if (mask && !mask[r]) {
+      for (int64_t g = 0; g < G; ++g) scores[g * n + r] = -INFINITY;
+      continue;
+    }
+    dequantize_row<BITS>(reinterpret_cast<const uint8_t*>(at(j.kp, j.kp_stride, r)), at(j.ks, j.ks_stride, r),
+                         at(j.kb, j.kb_stride, r), D, j.group, row);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qs + g * D;
+      float acc[kLanes] = {};
+      for (int64_t d = 0; d < D; d += kLanes)
+        for (int64_t l = 0; l < kLanes; ++l) acc[l] += qg[d + l] * row[d + l];
+      float s = 0.0f;
+      for (int64_t l = 0; l < kLanes; ++l) s += acc[l];
+      scores[g * n + r] = s;
+    }
+  }
+  float* out = j.out + chunk * G * Dv;
+  for (int64_t g = 0; g < G; ++g) {
+    float m = -INFINITY, total = 0.0f;
+    for (int64_t r = 0; r < n; ++r) m = std::fmax(m, scores[g * n + r]);
+    for (int64_t r = 0; r < n; ++r) total += (scores[g * n + r] = m == -INFINITY ? 0.0f : std::exp(scores[g * n + r] - m));
+    j.top[chunk * G + g] = m;
+    j.sum[chunk * G + g] = total;
+    for (int64_t c = 0; c < Dv; ++c) out[g * Dv + c] = 0.0f;
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    if (mask && !mask[r]) continue;
+    dequantize_row<BITS>(reinterpret_cast<const uint8_t*>(at(j.vp, j.vp_stride, r)), at(j.vs, j.vs_stride, r),
+                         at(j.vb, j.vb_stride, r), Dv, j.group, row);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * n + r];
+      float* o = out + g * Dv;
+      for (int64_t d = 0; d < Dv; ++d) o[d] += p * row[d];
+    }
+  }
+}
+
+template <int BITS>
+void quantized_chunk(void* ctx, int chunk) {
+  quantized_part<BITS>(*static_cast<const QuantizedJob*>(ctx), chunk);
+}
+
+#ifdef ZOO_X86_KERNELS
+template <int BITS>
+[[gnu::target("avx2,fma")]] void quantized_chunk_avx2(void* ctx, int chunk) {
+  quantized_part<BITS>(*static_cast<const QuantizedJob*>(ctx), chunk);
+}
+#endif
+
+// The part function for `bits` on the widest instruction set the primitive was given (AVX-512
+// runs the AVX2 body: the part is bound by the codes' read, not by the vector width).
+using PartFn = void (*)(void*, int);
+PartFn quantized_part_fn(int bits, Isa isa) {
+#ifdef ZOO_X86_KERNELS
+  if (isa != Isa::portable) return bits == 8 ? quantized_chunk_avx2<8> : quantized_chunk_avx2<4>;
+#endif
+  return bits == 8 ? quantized_chunk<8> : quantized_chunk<4>;
+}
 
 }  // namespace
 
@@ -190,52 +404,42 @@ void DecodeAttention::eval_cpu(const std::vector<mx::array>& inputs, mx::array& 
     j.v = rows_of(v, j.v_stride, vc);
     j.kn = vector_kernels(isa);
     std::vector<float> qc;
-    std::vector<uint8_t> mc;
     j.q = dense(q, qc);
     j.B = q.shape(0), j.Hkv = k.shape(1), j.G = q.shape(1) / k.shape(1), j.D = q.shape(3), j.Dv = v.shape(3);
-    // The cache hands a start inside its planes; clamped so that no value can read past them.
-    const int64_t T = k.shape(2), first = inputs[3].data<int32_t>()[0];
-    j.start = first < 0 ? 0 : (first > T - size ? T - size : first);
-    j.size = size;
-    j.scale = scale;
-    if (masked) {
-      const auto& m = inputs[4];
-      j.mask = dense(m, mc);
-      j.mask_batch = m.shape(0) > 1 ? size : 0;
-    }
-    const int64_t wanted = size / kPartRows;
-    j.parts = wanted < 1 ? 1 : (wanted > kMaxParts ? kMaxParts : wanted);
-    const int64_t chunks = j.B * j.Hkv * j.parts;
-    std::vector<float> partial(chunks * j.G * (j.Dv + 2));
-    j.out = partial.data();
-    j.top = j.out + chunks * j.G * j.Dv;
-    j.sum = j.top + chunks * j.G;
-    parallel_chunks(static_cast<int>(chunks), attention_chunk, &j);
-    // Merge the parts of each query row: weights e^(top_p - max), over the weighted sums.
-    for (int64_t head = 0; head < j.B * j.Hkv; ++head)
-      for (int64_t g = 0; g < j.G; ++g) {
-        float m = -INFINITY;
-        for (int64_t p = 0; p < j.parts; ++p) m = std::fmax(m, j.top[(head * j.parts + p) * j.G + g]);
-        float* dst = o + (head * j.G + g) * j.Dv;
-        for (int64_t c = 0; c < j.Dv; ++c) dst[c] = 0.0f;
-        if (m == -INFINITY) continue;  // every key masked: the cache never asks for this
-        float total = 0.0f;
-        for (int64_t p = 0; p < j.parts; ++p) {
-          const int64_t at = (head * j.parts + p) * j.G + g;
-          if (j.top[at] == -INFINITY) continue;
-          const float f = std::exp(j.top[at] - m);
-          total += f * j.sum[at];
-          const float* part = j.out + at * j.Dv;
-          for (int64_t c = 0; c < j.Dv; ++c) dst[c] += f * part[c];
-        }
-        const float inv = 1.0f / total;
-        for (int64_t c = 0; c < j.Dv; ++c) dst[c] *= inv;
-      }
+    attend_in_parts(j, attention_chunk, inputs[3], masked ? &inputs[4] : nullptr, k.shape(2), size, scale, o);
   });
 }
 
 std::vector<mx::Shape> DecodeAttention::output_shapes(const std::vector<mx::array>& inputs) {
   return {{inputs[0].shape(0), inputs[0].shape(1), 1, inputs[2].shape(3)}};
+}
+
+
+void DecodeAttentionQuantized::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& encoder = output_encoder(stream(), inputs, out);
+  encoder.dispatch([inputs, o = out.data<float>(), isa = isa_, scale = settings_[0],
+                    size = static_cast<int64_t>(settings_[1]), masked = settings_[2] != 0.0f, bits = static_cast<int>(settings_[3]),
+                    group = static_cast<int64_t>(settings_[4])]() {
+    const auto& q = inputs[0];
+    QuantizedJob j{};
+    std::vector<float> qc, ksc, kbc, vsc, vbc;
+    std::vector<uint32_t> kpc, vpc;
+    j.q = dense(q, qc);
+    j.kp = rows_of(inputs[1], j.kp_stride, kpc);
+    j.ks = rows_of(inputs[2], j.ks_stride, ksc);
+    j.kb = rows_of(inputs[3], j.kb_stride, kbc);
+    j.vp = rows_of(inputs[4], j.vp_stride, vpc);
+    j.vs = rows_of(inputs[5], j.vs_stride, vsc);
+    j.vb = rows_of(inputs[6], j.vb_stride, vbc);
+    j.B = q.shape(0), j.Hkv = inputs[1].shape(1), j.G = q.shape(1) / j.Hkv, j.D = q.shape(3);
+    j.group = group, j.Dv = inputs[5].shape(3) * group;
+    attend_in_parts(j, quantized_part_fn(bits, isa), inputs[7], masked ? &inputs[8] : nullptr, inputs[1].shape(2), size,
+                    scale, o);
+  });
+}
+
+std::vector<mx::Shape> DecodeAttentionQuantized::output_shapes(const std::vector<mx::array>& inputs) {
+  return {{inputs[0].shape(0), inputs[0].shape(1), 1, inputs[5].shape(3) * static_cast<int>(settings_[4])}};
 }
 
 }  // namespace zoo

@@ -9,6 +9,9 @@
 // - DecodeAttention: one query per row against a run of `size` rows of the cache's key and value
 //   planes from a row given as an array (read in place: no slice of the planes is made), masked
 //   by the cache's mask; parts of the run on the extension's threads, merged by their maxima.
+// - DecodeAttentionQuantized: the same read over mx.quantize's planes (8- or 4-bit codes, a scale
+//   and bias per group), the codes read in place: the bytes a decode step reads shrink with the
+//   cache's, where MLX's quantized_matmul pair runs far below the bandwidth.
 //
 // float32 in and out; the per-instruction-set kernels are prefill_impl.h's.
 #pragma once
@@ -40,6 +43,15 @@ mx::array decode_attention(const mx::array& q, const mx::array& keys, const mx::
                            int size, float scale, const std::optional<mx::array>& mask, const std::string& isa = "",
                            mx::StreamOrDevice s = {});
 
+// decode_attention over planes quantized by mx.quantize (bits 4 or 8, group_size 32/64/128):
+// k_packed [B, Hkv, T, D * bits / 32] uint32, k_scales and k_biases [B, Hkv, T, D / group_size]
+// float32, the values likewise; the codes read in place. Output [B, Hq, 1, Dv].
+mx::array decode_attention_quantized(const mx::array& q, const mx::array& k_packed, const mx::array& k_scales,
+                                     const mx::array& k_biases, const mx::array& v_packed, const mx::array& v_scales,
+                                     const mx::array& v_biases, const mx::array& start, int size, float scale,
+                                     const std::optional<mx::array>& mask, int bits, int group_size,
+                                     const std::string& isa = "", mx::StreamOrDevice s = {});
+
 class DecodeHeads : public mx::Primitive {
  public:
   // settings: heads, kv_heads, has_v, head_dim, q weighted, k weighted, shift, eps, v_norm
@@ -62,6 +74,14 @@ class DecodeAttention : public PrefillPrimitive {  // settings: scale, size, mas
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
   const char* name() const override { return "DecodeAttention"; }
+};
+
+class DecodeAttentionQuantized : public PrefillPrimitive {  // settings: scale, size, masked, bits, group_size
+ public:
+  using PrefillPrimitive::PrefillPrimitive;
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  const char* name() const override { return "DecodeAttentionQuantized"; }
 };
 
 }  // namespace zoo

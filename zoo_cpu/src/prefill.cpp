@@ -56,20 +56,6 @@ void check_float32(const char* op, std::initializer_list<std::pair<const char*, 
 
 // A rank-4 float32 array as base pointer and (batch, head, row) strides with a contiguous last
 // axis; an array whose last axis is strided is copied (rare: the graphs' views keep it contiguous).
-const float* rows_of(const mx::array& a, int64_t stride[3], std::vector<float>& copy) {
-  if (a.strides(3) == 1 || a.shape(3) == 1) {
-    for (int i = 0; i < 3; ++i) stride[i] = a.shape(i) == 1 ? 0 : a.strides(i);
-    return a.data<float>();
-  }
-  copy.resize(a.size());
-  const float* src = a.data<float>();
-  for (size_t i = 0; i < a.size(); ++i) copy[i] = src[mx::elem_to_loc(static_cast<int64_t>(i), a.shape(), a.strides())];
-  stride[2] = a.shape(3);
-  stride[1] = stride[2] * a.shape(2);
-  stride[0] = stride[1] * a.shape(1);
-  return copy.data();
-}
-
 // The output allocated and the encoder of the primitive's stream told what it reads and writes.
 mx::cpu::CommandEncoder& output_encoder(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out) {
   out.set_data(mx::allocator::malloc(out.nbytes()));

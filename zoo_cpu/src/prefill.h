@@ -96,9 +96,22 @@ std::string shape_of(const mx::array& a);
 [[noreturn]] void fail(const std::string& op, const std::string& what);
 mx::Stream cpu_only(const char* op, mx::StreamOrDevice s);
 void check_float32(const char* op, std::initializer_list<std::pair<const char*, const mx::array*>> arrays);
-// A rank-4 float32 array as base pointer and (batch, head, row) strides, its last axis contiguous
+// A rank-4 array of T as base pointer and (batch, head, row) strides, its last axis contiguous
 // (copied into ``copy`` when it is not).
-const float* rows_of(const mx::array& a, int64_t stride[3], std::vector<float>& copy);
+template <class T>
+const T* rows_of(const mx::array& a, int64_t stride[3], std::vector<T>& copy) {
+  if (a.strides(3) == 1 || a.shape(3) == 1) {
+    for (int i = 0; i < 3; ++i) stride[i] = a.shape(i) == 1 ? 0 : a.strides(i);
+    return a.data<T>();
+  }
+  copy.resize(a.size());
+  const T* src = a.data<T>();
+  for (size_t i = 0; i < a.size(); ++i) copy[i] = src[mx::elem_to_loc(static_cast<int64_t>(i), a.shape(), a.strides())];
+  stride[2] = a.shape(3);
+  stride[1] = stride[2] * a.shape(2);
+  stride[0] = stride[1] * a.shape(1);
+  return copy.data();
+}
 // The elements of ``a`` in row-major order: its own buffer when row-contiguous, else a copy made in
 // ``copy`` (called in the evaluation, once the data is there: the ops take their inputs as they
 // come, since a contiguous() node for each would cost a decode step as much as the kernel).
