@@ -219,14 +219,24 @@ def test_sizes_past_32_bits_are_named(parse, base, key):
 
 
 # ------------------------------------------------------------------------------ sizes against the checkpoint
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
+def saved_tiny(tmp_path_factory, name: str):
+    """A tiny Gemma 4 text checkpoint (``hf_tiny.TEXT_CONFIGS[name]``) written by transformers."""
     pytest.importorskip("torch")
     from tests import hf_tiny
 
-    folder = tmp_path_factory.mktemp("sizes") / "t1"
-    hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS["T1"], folder)
+    folder = tmp_path_factory.mktemp("sizes") / name
+    hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS[name], folder)
     return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return saved_tiny(tmp_path_factory, "T1")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_folder(tmp_path_factory):
+    return saved_tiny(tmp_path_factory, "T3")  # MoE beside the dense MLP
 
 
 def with_config(source, target, **changes):
@@ -256,16 +266,6 @@ def test_sizes_past_what_the_weights_hold_are_named_before_the_graph_is_built(ti
     with pytest.raises(ConfigError, match=words) as info:
         models.load(str(with_config(tiny_folder, tmp_path / "edited", **changes)))
     assert "config.json" in str(info.value) and not built
-
-
-@pytest.fixture(scope="module")
-def tiny_moe_folder(tmp_path_factory):
-    pytest.importorskip("torch")
-    from tests import hf_tiny
-
-    folder = tmp_path_factory.mktemp("sizes") / "t3"
-    hf_tiny.save_causal_lm(hf_tiny.TEXT_CONFIGS["T3"], folder)
-    return folder
 
 
 @pytest.mark.parametrize("changes, words", [

@@ -88,14 +88,19 @@ def check_writable(path: str, flag: str) -> str | None:
     return None
 
 
+def read_flag_file(path: str, flag: str) -> str:
+    """The UTF-8 text of the regular file ``path`` that ``flag`` names; ``ValueError`` naming both when it cannot be read."""
+    try:
+        return regular_file(path, f"{flag} {path}").read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{flag} {path}: cannot read it ({getattr(err, 'strerror', None) or err})") from None
+
+
 def read_chat_template(path: str | None) -> str | None:
     """The template text of ``--chat-template``: a Jinja file, or a JSON file with a ``chat_template`` string."""
     if path is None:
         return None
-    try:
-        text = regular_file(path, f"--chat-template {path}").read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"--chat-template {path}: cannot read it ({getattr(err, 'strerror', None) or err})") from None
+    text = read_flag_file(path, "--chat-template")
     if Path(path).suffix == ".json":
         try:
             text = json.loads(text)["chat_template"]
@@ -112,11 +117,7 @@ def read_json_schema(path: str | None) -> dict | None:
     if path is None:
         return None
     try:
-        text = regular_file(path, f"--json-schema {path}").read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"--json-schema {path}: cannot read it ({getattr(err, 'strerror', None) or err})") from None
-    try:
-        schema = json.loads(text)
+        schema = json.loads(read_flag_file(path, "--json-schema"))
     except ValueError as err:
         raise ValueError(f"--json-schema {path}: not valid JSON ({err})") from None
     if not isinstance(schema, dict):
