@@ -204,6 +204,11 @@ class BatchGenerator:
         return len(self._waiting)
 
     @property
+    def prefilling(self) -> int:
+        """Requests admitted whose prompt is still being fed."""
+        return len(self._filling)
+
+    @property
     def running(self) -> int:
         """Rows taken: the running ones and those the prefilling requests will run on."""
         return len(self._running) + sum(f.request.n for f in self._filling)
