@@ -134,14 +134,8 @@ class PrefixStore:
         self._count()
 
     # ---------------------------------------------------------------------------------- prefill
-    def prefill(
-        self,
-        model: Model,
-        prompt: Prompt,
-        cache: list,
-        kv_quantization: KVQuantization | None = None,
-        prefill_step_size: int = DEFAULT_PREFILL_STEP,
-    ) -> PrefixReuse:
+    def prefill(self, model: Model, prompt: Prompt, cache: list, kv_quantization: KVQuantization | None = None,
+                prefill_step_size: int = DEFAULT_PREFILL_STEP) -> PrefixReuse:  # fmt: skip
         """Fill the fresh ``cache`` (``model.make_cache()``) with ``prompt``, reusing a stored prefix
         where that is exact, and store this prompt's snapshot."""
         fill = self.begin(model, prompt, cache, kv_quantization, prefill_step_size)
@@ -331,8 +325,7 @@ class PrefixFill:
 
     def done(self) -> None:
         """The whole prompt is in the cache: store its snapshot."""
-        store = self.store
-        store._insert(self.found, self.reused, self.ids, self.images, self.cache, self.rows, self.switched_at, self.quant)
+        self.store._insert(self.found, self.reused, self.ids, self.images, self.cache, self.rows, self.switched_at, self.quant)
 
 
 def _record(rows: dict, cache: list, start: int) -> None:
