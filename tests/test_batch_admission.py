@@ -158,3 +158,23 @@ def test_ragged_admission_with_quantized_kv_and_logprobs(model):
     for p, lp in zip(prompts, together_lp):
         _, lone = run([p], 1)
         np.testing.assert_allclose(lp, lone[0], atol=1e-4)
+
+
+def test_a_request_cancelled_while_its_prompt_is_fed_frees_its_rows(model):
+    """Cancelled mid-prefill (whole, or one of its ``n`` choices): a ``"cancelled"`` event per
+    choice that leaves, no token, and the request beside it equals alone."""
+    prompts = prompts_of(model.vocab_size, (40, 6), seed=11)
+    want = alone(model, prompts[1], SamplingOptions(), 6)
+    for choice in (None, 1):
+        generator = BatchGenerator(model, max_batch=4, prefill_step_size=8)
+        long = generator.submit(BatchRequest(prompts[0], max_tokens=4, stop_ids=STOP, n=2))
+        short = generator.submit(BatchRequest(prompts[1], max_tokens=6, stop_ids=STOP))
+        events = generator.step() + generator.step()
+        assert generator.prefilling == 1 and generator.running == 3
+        assert generator.cancel(long, choice)
+        while generator.busy:
+            events += generator.step()
+        ended = {e.choice: e.finish_reason for e in events if e.request_id == long and e.finish_reason}
+        assert ended == ({0: "cancelled", 1: "cancelled"} if choice is None else {0: "length", 1: "cancelled"})
+        assert not any(e.token is not None for e in events if e.request_id == long and e.choice == 1)
+        assert [e.token for e in events if e.request_id == short and e.token is not None and e.finish_reason is None] == want
