@@ -54,7 +54,7 @@ def run_ours(folder: str, batch: int, length: int, gen: int) -> dict:
     decode_tokens, decode_seconds = 0, 0.0
     start = time.perf_counter()
     while generator.busy:
-        admitting = generator.waiting > 0
+        admitting = generator.waiting > 0 or generator.prefilling > 0
         t = time.perf_counter()
         events = generator.step()
         if not admitting:

@@ -174,6 +174,8 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=64, help="max_tokens of each request")
     p.add_argument("--words", type=int, default=60, help="words per prompt (about 1.3 tokens each)")
     p.add_argument("--batch", type=int, default=16, help="rows decoded together by either server")
+    p.add_argument("--folder", help="serve this converted folder with both servers (default: the float32 270M; e.g. "
+                   "the 8-bit .assets/gemma-3-270m-8bit-g64-e8g64-f16-v2, which mlx_lm.server loads too)")  # fmt: skip
     p.add_argument("--json", help="also write the results here")
     p.add_argument("--smoke", action="store_true", help=smoke.HELP)
     args = p.parse_args()
@@ -183,19 +185,20 @@ def main() -> None:
 
     from models.assets.gemma3_270m import gemma3_270m_folder
 
-    folder = gemma3_270m_folder()
+    folder = Path(args.folder) if args.folder else gemma3_270m_folder()
     results = run_all(folder, args)
     print(f"Gemma 3 270M ({folder.name}), {args.requests} streamed completions per client, ~{args.words} words in, "
           f"max {args.gen} tokens out, batch {args.batch}, {args.repeats} alternating repeats (median [range]); "
-          f"{os.cpu_count()} CPUs (shared)\n")  # fmt: skip
-    print("| clients | stack | tokens per run | tok/s | latency p50 s | latency p99 s | first token p50 s | throughput ours / peer | p50 peer / ours |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          f"{os.cpu_count()} CPUs (shared), load average {os.getloadavg()[0]:.1f} at the end\n")  # fmt: skip
+    print("| clients | stack | tokens per run | tok/s | latency p50 s | latency p99 s | first token p50 s | first token p99 s "
+          "| throughput ours / peer | p50 peer / ours |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for i, clients in enumerate(args.clients):
         ours, peer = results["ours"][i], results["mlx_lm.server"][i]
         ratio = summary(ours, "tok_s")[0] / summary(peer, "tok_s")[0]
         p50 = summary(peer, "p50_s")[0] / summary(ours, "p50_s")[0]
         for name, runs in (("ours", ours), ("mlx_lm.server", peer)):
-            cells = [summary(runs, key)[1] for key in ("tok_s", "p50_s", "p99_s", "ttft_p50_s")]
+            cells = [summary(runs, key)[1] for key in ("tok_s", "p50_s", "p99_s", "ttft_p50_s", "ttft_p99_s")]
             extra = f"{ratio:.2f}x | {p50:.2f}x" if name == "ours" else " | "
             print(f"| {clients} | {name} | {runs[0]['tokens']} | {' | '.join(cells)} | {extra} |")
             errors = [e for r in runs for e in r["errors"]]

@@ -11,6 +11,14 @@ run once for all rows; only the attention, which reads each row's own keys, runs
 
 ``offset`` of a batch is a tuple of per-row offsets; RoPE takes it as per-row positions
 (``graphs.layers.RoPE``) and ``advance`` moves it along.
+
+Rows may bring different numbers of new positions to one forward (a batched prefill of ragged
+prompt chunks): ``batch_caches(rows, new=...)`` makes the block ``max(new)`` wide with row ``r``'s
+``new[r]`` positions at its end, after ``max(new) - new[r]`` padding positions. A read hands each
+row's cache only that row's real queries, keys and values, so padding is never written, attended or
+counted; its outputs are zeros, and the batch's ``offset`` starts each row's block that many
+positions early so that its real positions get their own RoPE angles. With the padding in front,
+every row's last position is the block's last (``last_only`` forwards need nothing more).
 """
 
 from __future__ import annotations
@@ -38,27 +46,50 @@ def _split(x: mx.array | None, B: int, read: str, what: str) -> list:
     return [x[r : r + 1] for r in range(B)]
 
 
+def _real(x: mx.array | None, n: int) -> mx.array | None:
+    """The last ``n`` positions (axis 2) of one row's block: its real ones after the padding."""
+    return x if x is None or x.shape[2] == n else x[:, :, x.shape[2] - n :]
+
+
 class _Rows:
     """The row-by-row reads shared by owning batches and their shared views."""
 
     rows: list
+    new: tuple[int, ...] | None  # per row: new positions at the end of a ragged block (None: all of it)
 
     def _each(self, read: str, q, k, v, blocks=None, *, scale: float) -> mx.array:
         B = len(self.rows)
         qs, ks, vs = _split(q, B, read, "q"), _split(k, B, read, "k"), _split(v, B, read, "v")
+        bs = [None] * B if blocks is None else _split(blocks, B, read, "blocks")
+        if self.new is not None and blocks is not None:
+            raise ValueError(f"{read}: a ragged batch takes text reads only; media positions are prefilled alone")
         outs = []
-        if blocks is None:
-            for row, qr, kr, vr in zip(self.rows, qs, ks, vs):
-                outs.append(getattr(row, read)(qr, kr, vr, scale=scale))
-        else:
-            for row, qr, kr, vr, br in zip(self.rows, qs, ks, vs, _split(blocks, B, read, "blocks")):
-                outs.append(getattr(row, read)(qr, kr, vr, br, scale=scale))
+        for r, (row, qr, kr, vr, br) in enumerate(zip(self.rows, qs, ks, vs, bs)):
+            width = qr.shape[2]
+            if self.new is not None:  # a shared view's read may carry fewer queries than the block (the last ones)
+                if kr is not None and kr.shape[2] != self.width:
+                    raise ValueError(f"{read}: k {tuple(kr.shape)} is not the ragged block's {self.width} positions")
+                n = min(width, self.new[r])
+                qr, kr, vr = _real(qr, n), _real(kr, self.new[r]), _real(vr, self.new[r])
+            args = (qr, kr, vr) if br is None else (qr, kr, vr, br)
+            out = getattr(row, read)(*args, scale=scale)
+            if out.shape[2] < width:
+                pad = mx.zeros((*out.shape[:2], width - out.shape[2], *out.shape[3:]), dtype=out.dtype)
+                out = mx.concatenate([pad, out], axis=2)
+            outs.append(out)
         return outs[0] if B == 1 else mx.concatenate(outs, axis=0)
 
     @property
+    def width(self) -> int | None:
+        """The ragged block's width, ``max(new)`` (None when every row brings the whole block)."""
+        return None if self.new is None else max(self.new)
+
+    @property
     def offset(self) -> tuple[int, ...]:
-        """Each row's consumed positions."""
-        return tuple(row.offset for row in self.rows)
+        """Each row's consumed positions, less its padding in a ragged block: where its block starts."""
+        if self.new is None:
+            return tuple(row.offset for row in self.rows)
+        return tuple(row.offset - (self.width - n) for row, n in zip(self.rows, self.new))
 
     @property
     def sliding_window(self) -> int | None:
@@ -89,7 +120,7 @@ class _Rows:
 class BatchCache(_Rows):
     """One layer's owning cache for a ragged batch: ``rows[r]`` is row ``r``'s own cache."""
 
-    def __init__(self, rows: Sequence[AttentionCache]):
+    def __init__(self, rows: Sequence[AttentionCache], new: Sequence[int] | None = None):
         rows = list(rows)
         if not rows:
             raise ValueError("BatchCache: a batch needs at least one row")
@@ -104,6 +135,7 @@ class BatchCache(_Rows):
                 f"{[row.kind for row in rows]} and windows {[row.sliding_window for row in rows]}"
             )
         self.rows = rows
+        self.new = _check_new(new, len(rows))
 
     @property
     def kind(self) -> str:
@@ -124,6 +156,7 @@ class BatchSharedView(_Rows):
             raise TypeError(f"BatchSharedView: the donor must be a BatchCache, got {type(donor).__name__}")
         self.donor = donor
         self.rows = [SharedView(row) for row in donor.rows]
+        self.new = donor.new
 
     @property
     def kind(self) -> str:
@@ -133,11 +166,22 @@ class BatchSharedView(_Rows):
         return CacheSpec(self.kind, self.sliding_window, None if index_of is None else index_of(self.donor))
 
 
-def batch_caches(row_caches: Sequence[list]) -> list:
+def _check_new(new: Sequence[int] | None, B: int) -> tuple[int, ...] | None:
+    if new is None:
+        return None
+    new = tuple(new)
+    if len(new) != B or not all(isinstance(n, int) and n >= 1 for n in new):
+        raise ValueError(f"batch_caches: new must give each of the {B} rows a count of new positions >= 1, got {new}")
+    return None if len(set(new)) == 1 else new
+
+
+def batch_caches(row_caches: Sequence[list], new: Sequence[int] | None = None) -> list:
     """One layer list for a batch from each row's own layer list (as ``make_cache()`` made it, in
     row order): owning layers become ``BatchCache``, KV-shared layers ``BatchSharedView`` of their
     donor's batch. The rows' caches are used in place, so a forward on the batch advances each
-    row's own list, which stays usable alone (to continue alone, to snapshot or to save)."""
+    row's own list, which stays usable alone (to continue alone, to snapshot or to save).
+    ``new``: each row's count of new positions in the next forward, for a ragged block (module
+    docstring); the list serves that one forward."""
     row_caches = [list(c) for c in row_caches]
     if not row_caches:
         raise ValueError("batch_caches: no rows")
@@ -157,5 +201,5 @@ def batch_caches(row_caches: Sequence[list]) -> list:
                 raise ValueError(f"batch_caches: layer {i}'s shared views do not all read the same earlier layer of their row")
             batch.append(batch[donors[0]].shared_view())
         else:
-            batch.append(BatchCache(column))
+            batch.append(BatchCache(column, new))
     return batch

@@ -125,12 +125,12 @@ def test_n_choices_share_one_prefill(model, monkeypatch):
     prompt = prompts(model.vocab_size)[3]
     import models.generation.batch as batch
 
-    prefills = []
-    real = batch.prefill
-    monkeypatch.setattr(batch, "prefill", lambda *a, **k: prefills.append(1) or real(*a, **k))
+    prefills = []  # the rows of each prompt forward (the generator's ragged feeds pass ``new``)
+    real = batch.batch_caches
+    monkeypatch.setattr(batch, "batch_caches", lambda caches, *new: (new and prefills.append(len(caches))) or real(caches, *new))
     generator = BatchGenerator(model, max_batch=4)
     greedy = generator.run([BatchRequest(prompt, max_tokens=9, stop_ids=STOP, n=3)])
-    assert len(greedy) == 3 and greedy[0] == greedy[1] == greedy[2] and len(prefills) == 1
+    assert len(greedy) == 3 and greedy[0] == greedy[1] == greedy[2] and prefills == [1]
     seeded = SamplingOptions(temp=1.0, seed=11)
     choices = generator.run([BatchRequest(prompt, max_tokens=9, sampling=seeded, stop_ids=STOP, n=3)])
     assert len({tuple(c) for c in choices}) == 3

@@ -1,11 +1,15 @@
 """Many conversations at once: continuous batching on the shared cache.
 
-``BatchGenerator`` keeps a queue of requests and a running batch. A request is admitted by
-prefilling it alone (a batch of one, through the ordinary prefill: chunks, images, the prefix store
-when there is one), then joins the running batch as a new row; every ``step()`` feeds each running
-row its last token in one forward (``cache.batch_caches``: the weights are read once for all rows,
-each row attends only its own positions) and samples each row with its own options and random key
-(``TokenSampler``). A row that stops, reaches ``max_tokens`` or is cancelled leaves at once; the
+``BatchGenerator`` keeps a queue of requests, the requests being prefilled and a running batch.
+Each ``step()`` admits waiting requests while rows are free, feeds every prefilling request its
+next prompt chunk in ONE forward (a ragged block: ``cache.batch_caches(..., new=...)``; each
+request's chunks are the ones it is fed alone, ``models.generation.prompts.prefill_chunks``, through
+the prefix store when there is one), so a long prompt holds the running rows up for one chunk per
+step, not its whole prefill; a request whose prompt is in joins the running batch with its first
+token. Then one forward feeds each running row its last token (the weights are read once for all
+rows, each row attends only its own positions) and samples each row with its own options and
+random key (``TokenSampler``). A prompt with media is prefilled alone at admission (its image,
+audio or video spans go whole into vision reads of their own). A row that stops, reaches ``max_tokens`` or is cancelled leaves at once; the
 others go on undisturbed. Each request keeps its own layer caches, so a request produces exactly
 the tokens it produces alone, whichever requests run beside it.
 
@@ -42,7 +46,7 @@ from models.generation.generate import (
 from models.generation.constraints import Grammar
 from models.generation.processors import TokenLogprob, check_logit_bias, token_logprob
 from models.generation.prompt_cache import caches_from_layer_states, layer_states
-from models.generation.prompts import Prompt
+from models.generation.prompts import Prompt, prefill_chunks
 
 
 @dataclass
@@ -99,6 +103,22 @@ class _Row:
     token: int | None = None  # sampled, not yet fed
 
 
+@dataclass(eq=False)
+class _Fill:
+    """A request whose prompt is being fed, chunk by chunk: ``chunks`` are the prompt positions
+    still to feed; ``store`` is its prefix-store fill, when there is a store."""
+
+    request_id: int
+    request: BatchRequest
+    prompt: Prompt
+    cache: list
+    chunks: deque
+    reused: int = 0
+    store: object = None
+    logits: mx.array | None = None  # the last fed position's
+    cancelled: set = field(default_factory=set)  # choices cancelled before they had a row
+
+
 class BatchGenerator:
     """Continuous batching over one model; see the module docstring.
 
@@ -130,6 +150,7 @@ class BatchGenerator:
         self.prefix_store = prefix_store
         self._ids = itertools.count()
         self._waiting: deque[tuple[int, BatchRequest]] = deque()
+        self._filling: list[_Fill] = []
         self._running: list[_Row] = []
         self._cancelled: set[tuple[int, int | None]] = set()  # (request id, choice or None: every choice)
 
@@ -172,6 +193,7 @@ class BatchGenerator:
         leaves at the next ``step`` (with a ``"cancelled"`` event). False when no such request is
         queued or running."""
         known = any(rid == request_id for rid, _ in self._waiting) or any(
+            f.request_id == request_id for f in self._filling) or any(
             r.request_id == request_id and choice in (None, r.choice) for r in self._running)  # fmt: skip
         if known:
             self._cancelled.add((request_id, choice))
@@ -182,31 +204,34 @@ class BatchGenerator:
         return len(self._waiting)
 
     @property
+    def prefilling(self) -> int:
+        """Requests admitted whose prompt is still being fed."""
+        return len(self._filling)
+
+    @property
     def running(self) -> int:
-        return len(self._running)
+        """Rows taken: the running ones and those the prefilling requests will run on."""
+        return len(self._running) + sum(f.request.n for f in self._filling)
 
     @property
     def busy(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._filling or self._running)
 
     # ------------------------------------------------------------------------------ the loop
     def step(self) -> list[BatchEvent]:
-        """Drop cancelled requests, admit waiting ones while rows are free (each prefilled alone
-        and given its first token), then feed every other running row one token in one forward."""
+        """Drop cancelled requests, admit waiting ones while rows are free, feed every prefilling
+        request its next chunk in one forward (those done sample their first token and join), then
+        feed every other running row one token in one forward."""
         events = self._drop_cancelled()
-        admitted = []
-        while self._waiting and len(self._running) + self._waiting[0][1].n <= self.max_batch:
+        while self._waiting and self.running + self._waiting[0][1].n <= self.max_batch:
+            if self._shares_a_chunk(self._waiting[0][1].prompt):
+                break
             request_id, request = self._waiting.popleft()
             try:
-                rows, logits = self._admit(request_id, request)
+                self._filling.append(self._begin(request_id, request))
             except (ValueError, TypeError, OSError) as error:
                 events.append(BatchEvent(request_id, None, "error", 0, 0, error=f"{type(error).__name__}: {error}"))
-                continue
-            self._running.extend(rows)
-            admitted.extend(rows)
-            tokens = [row.sample(logits[None]) for row in rows]
-            mx.eval(tokens)
-            events.extend(self._take(row, token) for row, token in zip(rows, tokens))
+        admitted = self._feed_chunks(events) if self._filling else []
         decoding = [row for row in self._running if row not in admitted]
         if decoding:
             events.extend(self._decode(decoding))
@@ -221,6 +246,13 @@ class BatchGenerator:
             if (request_id, None) in self._cancelled:
                 self._waiting.remove((request_id, request))
                 events.extend(BatchEvent(request_id, None, "cancelled", 0, 0, choice=i) for i in range(request.n))
+        for fill in list(self._filling):
+            if (fill.request_id, None) in self._cancelled:
+                self._filling.remove(fill)
+                events.extend(BatchEvent(fill.request_id, None, "cancelled", len(fill.prompt), 0, fill.reused, choice=i)
+                              for i in range(fill.request.n))  # fmt: skip
+            else:
+                fill.cancelled.update(c for rid, c in self._cancelled if rid == fill.request_id)
         for row in list(self._running):
             if {(row.request_id, None), (row.request_id, row.choice)} & self._cancelled:
                 self._running.remove(row)
@@ -228,7 +260,9 @@ class BatchGenerator:
         self._cancelled.clear()
         return events
 
-    def _admit(self, request_id: int, request: BatchRequest) -> tuple[list[_Row], mx.array]:
+    def _begin(self, request_id: int, request: BatchRequest) -> _Fill:
+        """Start ``request``'s prefill: a fresh cache (restored from the prefix store where it can
+        be) and its chunks to feed; a prompt with media is prefilled whole here, alone."""
         model = self.model
         prompt = request.prompt
         if not isinstance(prompt, Prompt):
@@ -237,25 +271,82 @@ class BatchGenerator:
             )
             self._check_fits(prompt)
         cache = model.make_cache()
+        if prompt.images:
+            if self.prefix_store is not None:
+                reuse = self.prefix_store.prefill(
+                    model, prompt, cache, kv_quantization=self.kv_quantization, prefill_step_size=self.prefill_step_size
+                )
+                logits, reused = reuse.logits, reuse.reused
+            else:
+                logits = prefill(model._forward, prompt.ids, cache, self.prefill_step_size, prompt.images, self.kv_quantization)
+                reused = 0
+            return _Fill(request_id, request, prompt, cache, deque(), reused, logits=logits)
         if self.prefix_store is not None:
-            reuse = self.prefix_store.prefill(
-                model, prompt, cache, kv_quantization=self.kv_quantization, prefill_step_size=self.prefill_step_size
-            )
-            logits, reused = reuse.logits, reuse.reused
-        else:
-            logits = prefill(model._forward, prompt.ids, cache, self.prefill_step_size, prompt.images, self.kv_quantization)
-            reused = 0
-        stop_ids = frozenset(model.stop_ids if request.stop_ids is None else request.stop_ids)
+            store = self.prefix_store.begin(model, prompt, cache, self.kv_quantization, self.prefill_step_size)
+            return _Fill(request_id, request, prompt, cache, deque(store.chunks), store.reused, store)
+        return _Fill(request_id, request, prompt, cache, deque(prefill_chunks(len(prompt), (), self.prefill_step_size)))
+
+    def _shares_a_chunk(self, prompt) -> bool:
+        """Whether ``prompt`` shares at least its first chunk with a prompt being prefilled into
+        the prefix store: then it waits for that prompt to be stored and restores the shared part
+        instead of computing it beside it (requests behind one system prompt, arriving together)."""
+        if self.prefix_store is None or not isinstance(prompt, Prompt) or prompt.images:
+            return False
+        first = min(self.prefill_step_size, len(prompt))
+        if first >= len(prompt):
+            return False  # a store restores below the last position only
+        head = prompt.ids[:first]
+        return any(fill.store is not None and fill.prompt.ids[:first] == head for fill in self._filling)
+
+    def _feed_chunks(self, events: list[BatchEvent]) -> list[_Row]:
+        """One forward over every prefilling request's next chunk (a ragged block); the requests
+        whose prompt is then in sample their first tokens and join the running batch."""
+        feeding = [fill for fill in self._filling if fill.chunks]
+        if feeding:
+            pieces = [fill.chunks.popleft() for fill in feeding]
+            width = max(end - start for start, end in pieces)
+            ids = mx.array([[0] * (width - end + start) + fill.prompt.ids[start:end] for fill, (start, end) in zip(feeding, pieces)])
+            new = [end - start for start, end in pieces]
+            logits = self.model.graph(ids, cache=batch_caches([fill.cache for fill in feeding], new), last_only=True)[:, -1]
+            mx.eval(logits)
+            for i, (fill, (_, end)) in enumerate(zip(feeding, pieces)):
+                if self.kv_quantization is not None:
+                    self.kv_quantization.apply(fill.cache)
+                if fill.store is not None:
+                    fill.store.fed(end)
+                fill.logits = logits[i]
+            mx.clear_cache()
+        admitted = []
+        for fill in [fill for fill in self._filling if not fill.chunks]:
+            self._filling.remove(fill)
+            if fill.store is not None:
+                fill.store.done()
+            rows = self._rows(fill)
+            tokens = [row.sample(fill.logits[None]) for row in rows]
+            mx.eval(tokens)
+            for row, token in zip(rows, tokens):
+                if row.choice in fill.cancelled:
+                    events.append(BatchEvent(row.request_id, None, "cancelled", len(row.prompt), 0, row.reused, choice=row.choice))
+                else:
+                    events.append(self._take(row, token))
+                    self._running.append(row)
+                    admitted.append(row)
+        return admitted
+
+    def _rows(self, fill: _Fill) -> list[_Row]:
+        """The running rows of a prefilled request: one per choice, each with its own caches."""
+        request, cache = fill.request, fill.cache
+        stop_ids = frozenset(self.model.stop_ids if request.stop_ids is None else request.stop_ids)
         rows = []
         for choice in range(request.n):
             sampling = request.sampling
             if choice and sampling.seed is not None:
                 sampling = dataclasses.replace(sampling, seed=sampling.seed + choice)
             constraint = None if request.grammar is None else self._constraint(request)
-            sampler = TokenSampler(sampling, prompt.ids, constraint=constraint, keep_logprobs=request.logprobs is not None)
+            sampler = TokenSampler(sampling, fill.prompt.ids, constraint=constraint, keep_logprobs=request.logprobs is not None)
             own = cache if choice == request.n - 1 else caches_from_layer_states(layer_states(cache))
-            rows.append(_Row(request_id, choice, prompt, own, sampler, stop_ids, request.max_tokens, reused, request.logprobs))
-        return rows, logits
+            rows.append(_Row(fill.request_id, choice, fill.prompt, own, sampler, stop_ids, request.max_tokens, fill.reused, request.logprobs))
+        return rows
 
     def _constraint(self, request: BatchRequest):
         if self.model.tokenizer is None:

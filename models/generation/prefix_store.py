@@ -134,16 +134,31 @@ class PrefixStore:
         self._count()
 
     # ---------------------------------------------------------------------------------- prefill
-    def prefill(
+    def prefill(self, model: Model, prompt: Prompt, cache: list, kv_quantization: KVQuantization | None = None,
+                prefill_step_size: int = DEFAULT_PREFILL_STEP) -> PrefixReuse:  # fmt: skip
+        """Fill the fresh ``cache`` (``model.make_cache()``) with ``prompt``, reusing a stored prefix
+        where that is exact, and store this prompt's snapshot."""
+        fill = self.begin(model, prompt, cache, kv_quantization, prefill_step_size)
+        logits = None
+        for start, end in fill.chunks:
+            inside = [s.shifted(-start) for s in prompt.images if start <= s.start < end]
+            logits = prefill(model.forward, prompt.ids[start:end], cache, end - start, inside, kv_quantization)
+            fill.fed(end)
+        fill.done()
+        return PrefixReuse(logits, fill.reused)
+
+    def begin(
         self,
         model: Model,
         prompt: Prompt,
         cache: list,
         kv_quantization: KVQuantization | None = None,
         prefill_step_size: int = DEFAULT_PREFILL_STEP,
-    ) -> PrefixReuse:
-        """Fill the fresh ``cache`` (``model.make_cache()``) with ``prompt``, reusing a stored prefix
-        where that is exact, and store this prompt's snapshot."""
+    ) -> "PrefixFill":
+        """Restore into the fresh ``cache`` the furthest exact prefix of ``prompt``; the caller feeds
+        the returned fill's ``chunks`` (whose chunk ends are the ones a restore may use), calls
+        ``fed`` after each and ``done`` at the end (``prefill`` does all three; the batch generator
+        feeds many prompts' chunks in one forward)."""
         self._check(model, prompt, cache, prefill_step_size)
         quant = kv_quantization if kv_quantization is not None and kv_quantization.bits is not None else None
         ids = np.asarray(prompt.ids, dtype=np.int64)
@@ -152,31 +167,19 @@ class PrefixStore:
         fresh_switch = None if quant is None else next((e for e in ends if e >= quant.start), None)
 
         found, r = self._lookup(ids, images, prompt, ends, fresh_switch, quant)
-        rows: dict[int, list[tuple[_Rows, int]]] = {}
-        switched_at = None
+        fill = PrefixFill(self, cache, found, r, ids, images, quant)
         if found is not None:
             self._entries.move_to_end(self._key_of(found))
             cache[:] = self._restore(found, r)
             self.stats.hits += 1
             self.stats.reused_tokens += r
-            rows = {i: [(run, min(stop, r)) for run, stop in runs if run.start < min(stop, r)] for i, runs in found.rows.items()}
-            switched_at = found.switched_at if _quantized(cache) else None
+            fill.rows = {i: [(run, min(stop, r)) for run, stop in runs if run.start < min(stop, r)] for i, runs in found.rows.items()}
+            fill.switched_at = found.switched_at if _quantized(cache) else None
         else:
             self.stats.misses += 1
-
-        logits = None
         tail = prompt.suffix(r)
-        for start, end in prefill_chunks(len(tail), tail.images, prefill_step_size):
-            inside = [s.shifted(-start) for s in tail.images if start <= s.start < end]
-            logits = prefill(model.forward, tail.ids[start:end], cache, end - start, inside, kv_quantization)
-            if switched_at is None and _quantized(cache):
-                # Every stored row is quantized now: what was recorded in full precision no longer matches.
-                switched_at, rows = r + end, {}
-                _record(rows, cache, 0)
-            else:
-                _record(rows, cache, r + start)
-        self._insert(found, r, ids, images, cache, rows, switched_at, quant)
-        return PrefixReuse(logits, r)
+        fill.chunks = [(r + start, r + end) for start, end in prefill_chunks(len(tail), tail.images, prefill_step_size)]
+        return fill
 
     def _check(self, model, prompt, cache, step) -> None:
         if not isinstance(model, Model):
@@ -290,6 +293,39 @@ class PrefixStore:
         held = {k: run.nbytes for e in self._entries.values() for k, run in e.objects().items()}
         self.stats.entries, self.stats.bytes = len(self._entries), sum(held.values())
         return self.stats.bytes
+
+
+@dataclass(eq=False)
+class PrefixFill:
+    """One prompt's prefill through the store (``PrefixStore.begin``): ``reused`` positions were
+    restored, ``chunks`` are the ``(start, end)`` prompt positions still to feed, in order."""
+
+    store: PrefixStore
+    cache: list
+    found: _Entry | None
+    reused: int
+    ids: np.ndarray
+    images: tuple
+    quant: KVQuantization | None
+    rows: dict = field(default_factory=dict)
+    switched_at: int | None = None
+    chunks: list = field(default_factory=list)
+    _at: int | None = None
+
+    def fed(self, end: int) -> None:
+        """The chunk ending at prompt position ``end`` is in the cache: record its rows."""
+        start = self.reused if self._at is None else self._at
+        self._at = end
+        if self.switched_at is None and _quantized(self.cache):
+            # Every stored row is quantized now: what was recorded in full precision no longer matches.
+            self.switched_at, self.rows = end, {}
+            _record(self.rows, self.cache, 0)
+        else:
+            _record(self.rows, self.cache, start)
+
+    def done(self) -> None:
+        """The whole prompt is in the cache: store its snapshot."""
+        self.store._insert(self.found, self.reused, self.ids, self.images, self.cache, self.rows, self.switched_at, self.quant)
 
 
 def _record(rows: dict, cache: list, start: int) -> None:
