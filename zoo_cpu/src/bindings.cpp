@@ -46,6 +46,8 @@ NB_MODULE(_packed, m) {
   m.def("decode_attention_rows", &zoo::decode_attention_rows, "q"_a, "planes"_a, "starts"_a, "sizes"_a, "scale"_a,
         "bits"_a = 0, "group_size"_a = 64, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "one query per batch row over a run of that row's own key and value planes (float, or 4/8-bit quantized)");
+  m.def("rows_product", &zoo::rows_product, "x"_a, "wt"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
+        "x [..., K] @ wt [K, N] in float32 for a few rows of x (a weight stored transposed), split over the threads");
   m.def("available_isas", &zoo::available_isas, "instruction sets this CPU and build run, widest first");
   m.def("threads", &zoo::threads, "threads the products split their rows over");
   m.def("set_threads", &zoo::set_threads, "n"_a, "split products over at most n threads (1 to the CPUs available)");
