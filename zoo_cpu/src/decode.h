@@ -104,13 +104,8 @@ class DecodeAttentionQuantized : public PrefillPrimitive {  // settings: scale, 
   const char* name() const override { return "DecodeAttentionQuantized"; }
 };
 
-class RowsProduct : public PrefillPrimitive {
- public:
-  using PrefillPrimitive::PrefillPrimitive;
-  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-  const char* name() const override { return "RowsProduct"; }
-};
+// output [..., N].
+ZOO_PREFILL_PRIMITIVE(RowsProduct, std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;)
 
 class DecodeAttentionRows : public mx::UnaryPrimitive {
  public:
