@@ -39,7 +39,10 @@ BATCH = 32
 def texts(tokenizer, count: int, lengths) -> list[str]:
     """``count`` texts cut from the docs' paragraphs to token lengths cycling through ``lengths``."""
     words = " ".join(p.read_text(encoding="utf-8") for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
-    ids = tokenizer(words, add_special_tokens=False)["input_ids"]
+    # The docs spell control tokens (`<image_soft_token>`, `<start_of_turn>`), which the tokenizer
+    # parses as such; they are dropped so that every stack embeds ordinary text.
+    special = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    ids = [i for i in tokenizer(words, add_special_tokens=False)["input_ids"] if i not in special]
     out, start = [], 0
     for i in range(count):
         n = lengths[i % len(lengths)]

@@ -19,6 +19,8 @@ Products of more than ``FEW_ROWS`` rows (prefill) are GEMMs the BLAS threads its
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -62,8 +64,19 @@ def _norm_rotate(x, weight, cos, sin, eps, plus_one):
     return fast_math.rotate_half(_norm(x, weight, eps, plus_one), cos, sin)
 
 
-_compiled = mx.compile(_norm_rope)
-_compiled_cpu = mx.compile(_norm_rotate)
+# mx.compile keeps one trace per input shape and dtype, not per backend, and a trace calls the
+# kernels that were active when it was made; so each backend gets its own compiled function, made
+# from its own wrapper (MLX keys its traces by the Python callable, so two compilations of one
+# function would share them).
+_compiled_by_backend: dict = {}
+
+
+def _compiled(fn):
+    """``fn`` compiled for the active backend (``zoo_cpu.backend``)."""
+    key = (fn, backend.active())
+    if key not in _compiled_by_backend:
+        _compiled_by_backend[key] = mx.compile(functools.partial(fn))
+    return _compiled_by_backend[key]
 
 
 def norm_rope(x: mx.array, norm, rope, offset: int | tuple[int, ...], plus_one: bool) -> mx.array:
@@ -77,8 +90,10 @@ def norm_rope(x: mx.array, norm, rope, offset: int | tuple[int, ...], plus_one: 
         return rope(norm(x), offset)
     weight = norm.get("weight") if hasattr(norm, "get") else None
     if fast_math.active():
-        return _compiled_cpu(x, weight, *rope.tables(offset, 1), norm.eps, plus_one)
-    return _compiled(x, weight, mx.array(offset, dtype=mx.int32), rope.periods, norm.eps, plus_one, rope.head_dim, rope.base)
+        return _compiled(_norm_rotate)(x, weight, *rope.tables(offset, 1), norm.eps, plus_one)
+    return _compiled(_norm_rope)(
+        x, weight, mx.array(offset, dtype=mx.int32), rope.periods, norm.eps, plus_one, rope.head_dim, rope.base
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- the output head

@@ -229,7 +229,7 @@ def load(
     folder = model_folder(name_or_path)
     device_plan = choose_plan(plan)
     loaded = load_graph(folder, dtype, q_bits, q_group_size, q_policy, sharding, device_plan)
-    device_notes = prepare(loaded.graph, loaded.precision, device_plan)
+    device_notes = prepare(loaded.graph, loaded.precision, device_plan, encoder=loaded.architecture.generation == "embedding")
     if sharding is not None:
         loaded.graph = sharding.connect(loaded.graph)
     generation_config = read_generation_config(folder)

@@ -198,15 +198,16 @@ STREAMS_SWITCH = "GEMMA_ZOO_STREAMS"
 CPU_STREAMS = 2  # decode's few-row products split over this many CPU streams
 
 
-def prepare(graph: nn.Module, precision: Precision, plan: DevicePlan | None = None) -> list[str]:
+def prepare(graph: nn.Module, precision: Precision, plan: DevicePlan | None = None, encoder: bool = False) -> list[str]:
     """``plan`` (``choose_plan()`` when None) applied to a loaded graph; returns what is in effect, one line each.
 
     Under the CPU plan with a fast BLAS: quantized layers follow ``quantized_policy`` (the packed kernels
     where they were built, else dequantized to float32), the output head is stored transposed
     (``VocabularyHead.split_head``) and, unless ``GEMMA_ZOO_STREAMS=0``, split over CPU streams with
     every GeGLU MLP whose products are not packed (``GeGLUMLP.use_streams``; the kernels split their
-    rows over the cores themselves). Under the accelerator plan, or without a fast BLAS, the graph
-    is left as built. The plan's backend (``zoo_cpu.backend``) is selected for the process here.
+    rows over the cores themselves). An ``encoder`` (a graph that only runs whole texts, EmbeddingGemma)
+    has its float32 projections fused too (``fuse_products``). Under the accelerator plan, or without
+    a fast BLAS, the graph is left as built. The plan's backend (``zoo_cpu.backend``) is selected for the process here.
     """
     plan = plan or choose_plan()
     backend.select(plan.backend)
@@ -225,7 +226,7 @@ def prepare(graph: nn.Module, precision: Precision, plan: DevicePlan | None = No
     streams = CPU_STREAMS if switches.enabled(STREAMS_SWITCH) else 1
     heads = [m for _, m in graph.named_modules() if isinstance(m, VocabularyHead)]
     notes += [note for note in (head.split_head(streams) for head in heads) if note]
-    note = fuse_products(graph)
+    note = fuse_products(graph, dense=encoder)
     if note:
         notes.append(note)
     split = 0
@@ -240,16 +241,18 @@ def prepare(graph: nn.Module, precision: Precision, plan: DevicePlan | None = No
     return notes
 
 
-def fuse_products(graph: nn.Module) -> str | None:
+def fuse_products(graph: nn.Module, dense: bool = False) -> str | None:
     """Each attention layer's query/key/value projections and each GeGLU MLP's up/gate as one
-    product (``fuse()``, ``graphs.layers.FusedProducts``) where they are packed layers: fewer,
-    larger products per decode step, the same numbers. (float32 layers fuse the same way, with
-    equal logits, but measured no faster than their two-stream MLPs: docs/speed.md.) What was fused, or None."""
+    product (``fuse()``, ``graphs.layers.FusedProducts``) where they are packed layers, and with
+    ``dense`` where they are float layers too: fewer, larger products, the same numbers. Float
+    layers of a decoder stay apart (fused, measured no faster than their two-stream MLPs in decode:
+    docs/speed.md); an encoder's wide products gain a little (docs/embedding.md). What was fused, or None."""
     done = 0
     for _, module in graph.named_modules():
         if isinstance(module, (SelfAttention, GeGLUMLP)):
             parts = module.fusable()
-            if len(parts) > 1 and isinstance(parts[0], packed.PackedLinear) and not FusedProducts.mismatch(parts):
+            kind_fuses = dense or isinstance(parts[0], packed.PackedLinear) if parts else False
+            if len(parts) > 1 and kind_fuses and not FusedProducts.mismatch(parts):
                 module.fuse()
                 done += 1
     return f"{done} fused products (attention q/k/v, MLP up/gate)" if done else None

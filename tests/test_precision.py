@@ -174,6 +174,19 @@ def test_fused_norm_rope_is_bit_identical(kind, norm_kind, dtype):
         assert mx.array_equal(got, rope(norm(x), offset)).item()
 
 
+def test_fused_norm_rope_follows_the_backend_selected_after_its_first_trace():
+    """A trace made under one backend is not reused under another (the suite once ran a test whose
+    trace used MLX's norm before one that compared against the kernels' norm)."""
+    D = 64
+    rope = RoPE(D, {"rope_type": "default", "rope_theta": 10000.0})
+    norm = GemmaRMSNorm(D, 1e-6)
+    norm.weight = mx.random.normal((D,), key=mx.random.key(1)) * 0.1
+    x = mx.random.normal((1, 4, 1, D), key=mx.random.key(3))
+    for chosen in (backend.Backend(True, False, False), backend.for_cpu(), backend.Backend(True, False, False)):
+        with backend.using(chosen):
+            assert mx.array_equal(speedups.norm_rope(x, norm, rope, 7, plus_one=True), rope(norm(x), 7)).item(), chosen
+
+
 def test_compiled_decode_generates_the_same_tokens(checkpoints, monkeypatch):
     model = models.load(str(checkpoints / "f32"), tokenizer=False)
     prompt = [2, 17, 99, 4, 56, 200, 31]
