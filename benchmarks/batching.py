@@ -41,9 +41,9 @@ def prompts(batch: int, length: int) -> list[list[int]]:
 
 
 def run_ours(folder: str, batch: int, length: int, gen: int) -> dict:
-    import mlx.core as mx
+    import models  # first: the fast BLAS loads before MLX (zoo_cpu.blas)
 
-    import models
+    import mlx.core as mx
     from models.generation.batch import BatchGenerator, BatchRequest
 
     model = models.load(folder, tokenizer=False)
@@ -88,9 +88,9 @@ def run_mlx_lm(folder: str, batch: int, length: int, gen: int) -> dict:
 
 def run_system_prompt(folder: str, length: int, gen: int) -> dict:
     """Time to first token of ``system + question`` with the system prompt stored vs not."""
-    import mlx.core as mx
+    import models  # first: the fast BLAS loads before MLX (zoo_cpu.blas)
 
-    import models
+    import mlx.core as mx
     from models.generation.batch import BatchGenerator, BatchRequest
     from models.generation.prefix_store import PrefixStore
 

@@ -14,7 +14,8 @@ of the two there. Where the backend runs the zoo's C++ kernels (``zoo_cpu.backen
 queries of a chunk go instead through its fused attention: per block of 32 query rows of one head,
 the scores, masked softmax and product with the values on both cores, the blocks above unused;
 and a single float32 query through its decode attention (``zoo_cpu.decode``: one node; float or
-8-/4-bit quantized planes).
+8-/4-bit quantized planes), a batch's rows of single queries over their own caches through its rows
+form (one node for every row: ``attend_query_rows``).
 ``docs/speed.md`` has the measurements.
 """
 
@@ -91,6 +92,23 @@ def attend_quantized_query_run(q: mx.array, keys: tuple, values: tuple, start: m
     if rows is False or bits not in decode.QUANTIZED_BITS or any(p.dtype != mx.float32 for p in (*keys[1:], *values[1:])):
         return None
     return decode.attention_quantized(q, keys, values, start, size, scale, rows, bits, group_size)
+
+
+def attend_query_rows(q: mx.array, keys: list, values: list, starts: list, sizes: list, scale: float,
+                      bits: int | None = None, group_size: int = 64):
+    """One float32 query per batch row of ``q [B, Hq, 1, D]``, row ``r`` over rows ``[starts[r],
+    starts[r] + sizes[r])`` of its own planes ``keys[r]``/``values[r]`` (one float32 plane each, or
+    ``mx.quantize``'s three at ``bits``), unmasked and read in place, in one call of the decode
+    kernel's rows form (``zoo_cpu.decode.attention_rows``); None where the backend does not run it
+    or it does not take the read (then the caller attends each row its own way)."""
+    if _decode_rows(q, None) is False:
+        return None
+    if bits is None:
+        if any(p.dtype != mx.float32 for planes in (*keys, *values) for p in planes):
+            return None
+    elif bits not in decode.QUANTIZED_BITS or any(p.dtype != mx.float32 for planes in (*keys, *values) for p in planes[1:]):
+        return None
+    return decode.attention_rows(q, keys, values, starts, sizes, scale, bits, group_size)
 
 
 def _decode_rows(q: mx.array, mask):

@@ -69,6 +69,9 @@ class Attended(NamedTuple):
     mask: object
     geometry: tuple  # (B, Hkv, D, Dv, dtype) of the keys and values attended
     run: tuple | None = None  # (start, size): keys and values are whole planes, read from row start
+    # (key planes, value planes, first row, rows): keys and values as a run of the cache's whole
+    # buffers, where they are one (a batch attends its rows' runs in one call: cache.batch)
+    buffers: tuple | None = None
 
 
 class AttentionCache:
@@ -187,6 +190,14 @@ class AttentionCache:
         keys, values = rows(self.keys, n - need, n), rows(self.values, n - need, n)
         mask = masks.draft(self.offset, q.shape[2], self.offset - need, need, self.sliding_window)
         return self.codec.attend(q, keys, values, scale, mask)
+
+    def write_decode(self, k: mx.array, v: mx.array, *, scale: float) -> Attended:
+        """The ``decode`` read without its attention: the new position stored and the read recorded
+        (for shared views) as ``decode`` records it; the caller attends the record (a batch
+        attends all its rows' records in one call: ``cache.batch``). ``k``/``v`` ``[B, Hkv, 1, D]``."""
+        if k.shape[2] != 1:
+            raise ValueError(f"decode: takes exactly L=1 new position, got L={k.shape[2]} (use window for more)")
+        return self._write("decode", 1, k, v, scale, lambda qs, L, ks, T: masks.causal(qs, L, ks, T, self.sliding_window))
 
     # ------------------------------------------------------------------------------- shared layers
     def shared_view(self) -> "SharedView":
@@ -344,18 +355,24 @@ class AttentionCache:
 
     # ------------------------------------------------------------------------------- internals
     def _write_and_attend(self, read, q, k, v, scale, make_mask) -> mx.array:
-        scale = check_scale(read, scale)
+        last = self._write(read, q.shape[2], k, v, scale, make_mask)
+        return self.codec.attend(q, last.keys, last.values, check_scale(read, scale), last.mask)
+
+    def _write(self, read, L, k, v, scale, make_mask) -> Attended:
+        """Store the new positions and record the read of their ``L`` queries over them."""
+        check_scale(read, scale)
         self._check_compatible(read, k, v)
         self._last = None
         self._ends_in_image = None
         q_start = self.offset
         if self._geometry is None:
             self._geometry = _geometry(k, v)
-        keys, values, k_start = self._append(self.codec.pack(k), self.codec.pack(v), k, v)
+        keys, values, k_start, run = self._append(self.codec.pack(k), self.codec.pack(v), k, v)
         self.offset += k.shape[2]
-        mask = make_mask(q_start, q.shape[2], k_start, keys[0].shape[2])
-        self._last = Attended(read, q.shape[2], self.offset, keys, values, mask, self._geometry)
-        return self.codec.attend(q, keys, values, scale, mask)
+        mask = make_mask(q_start, L, k_start, keys[0].shape[2])
+        buffers = None if run is None else (self.keys, self.values, *run)
+        self._last = Attended(read, L, self.offset, keys, values, mask, self._geometry, buffers=buffers)
+        return self._last
 
     def _check_compatible(self, read: str, k: mx.array, v: mx.array) -> None:
         self.codec.check(read, k, v)
@@ -393,8 +410,10 @@ class AttentionCache:
         return self.codec.zeros(like_k, n), self.codec.zeros(like_v, n)
 
     # subclass hooks: storage layout, on planes
-    def _append(self, k: Planes, v: Planes, raw_k: mx.array, raw_v: mx.array) -> tuple[Planes, Planes, int]:
-        """Store the new positions; return the run of positions their queries may see and its start."""
+    def _append(self, k: Planes, v: Planes, raw_k: mx.array, raw_v: mx.array) -> tuple[Planes, Planes, int, tuple | None]:
+        """Store the new positions; return the run of positions their queries may see, its start
+        position and, where that run is rows of ``keys``/``values`` as they now are, ``(first row,
+        rows)`` (else None)."""
         raise NotImplementedError
 
     def _canvas_keys(self, k: Planes, v: Planes, raw_k: mx.array, raw_v: mx.array) -> tuple[Planes, Planes]:
@@ -485,6 +504,16 @@ class SharedView:
         return CacheSpec(self.kind, self.sliding_window, None if index_of is None else index_of(self.donor))
 
     def _replay(self, read: str, q: mx.array, k, v, scale) -> mx.array:
+        last = self.recorded(read, q, k, v, scale)
+        scale = check_scale(read, scale)
+        if last.run is not None:
+            return self.donor.codec.attend_run(q, last.keys, last.values, *last.run, scale, last.mask)
+        return self.donor.codec.attend(q, last.keys, last.values, scale, last.mask)
+
+    def recorded(self, read: str, q: mx.array, k, v, scale) -> Attended:
+        """The donor's record of this forward's ``read`` that ``q`` replays, its mask cut to
+        ``q``'s rows; ``ValueError`` when there is none or ``q`` does not fit it (a batch replays
+        its rows' records in one call: ``cache.batch``)."""
         if k is not None or v is not None:
             raise ValueError(f"{read}: a shared view takes only q; its keys and values come from the donor")
         check_query(read, "q", q)
@@ -508,9 +537,7 @@ class SharedView:
             # Queries for only the newest positions (a KV-shared tail that needs just the last
             # outputs): their rows of the donor's mask. None and MLX's bottom-right "causal" hold as is.
             mask = mask[..., -q.shape[2] :, :]
-        if last.run is not None:
-            return self.donor.codec.attend_run(q, last.keys, last.values, *last.run, scale, mask)
-        return self.donor.codec.attend(q, last.keys, last.values, scale, mask)
+        return last._replace(mask=mask)
 
     def decode(self, q, k=None, v=None, *, scale):
         return self._replay("decode", q, k, v, scale)

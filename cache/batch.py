@@ -7,7 +7,11 @@ makes the same read on each row's cache, so each row's mask, window and storage 
 the row alone: no padding is ever stored, attended or counted by a window, a sliding row wraps on its
 own schedule, and a row can join or leave between forwards without touching the others (its caches
 are its own; ``batch_caches`` regroups them). The projections, MLPs and head, which read the weights,
-run once for all rows; only the attention, which reads each row's own keys, runs per row.
+run once for all rows; only the attention, which reads each row's own keys, runs per row. A decode
+read (one query a row, the generator's step) writes each row's new position to the row's own cache,
+then attends every row in one call where the decode kernels run: the kernel takes each row's run of
+its own buffers in place, with no copy, padding or mask (``_attend_records``); elsewhere each row
+attends alone.
 
 ``offset`` of a batch is a tuple of per-row offsets; RoPE takes it as per-row positions
 (``graphs.layers.RoPE``) and ``advance`` moves it along.
@@ -27,6 +31,7 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
+from .attention import check_qkv, check_scale
 from .base import AttentionCache, SharedView
 from .spec import CacheSpec, kind_family
 
@@ -95,9 +100,6 @@ class _Rows:
     def sliding_window(self) -> int | None:
         return self.rows[0].sliding_window
 
-    def decode(self, q, k=None, v=None, *, scale):
-        return self._each("decode", q, k, v, scale=scale)
-
     def window(self, q, k=None, v=None, *, scale):
         return self._each("window", q, k, v, scale=scale)
 
@@ -141,6 +143,17 @@ class BatchCache(_Rows):
     def kind(self) -> str:
         return self.rows[0].kind
 
+    def decode(self, q, k=None, v=None, *, scale):
+        """Each row's new position written to its own cache, then every row's query attended in
+        one call where the decode kernels run (``_attend_records``)."""
+        if self.new is not None:
+            return self._each("decode", q, k, v, scale=scale)
+        check_qkv("decode", q, k, v)
+        B = len(self.rows)
+        ks, vs = _split(k, B, "decode", "k"), _split(v, B, "decode", "v")
+        records = [row.write_decode(kr, vr, scale=scale) for row, kr, vr in zip(self.rows, ks, vs)]
+        return _attend_records(q, [row.codec for row in self.rows], records, check_scale("decode", scale))
+
     def spec(self, index_of: Callable[[object], int | None] | None = None) -> CacheSpec:
         return self.rows[0].spec(index_of)
 
@@ -162,8 +175,45 @@ class BatchSharedView(_Rows):
     def kind(self) -> str:
         return f"shared:{self.donor.kind}"
 
+    def decode(self, q, k=None, v=None, *, scale):
+        """Each row's donor record of this forward replayed with the row's query, every row in
+        one call where the decode kernels run (``_attend_records``)."""
+        if self.new is not None:
+            return self._each("decode", q, k, v, scale=scale)
+        B = len(self.rows)
+        qs = _split(q, B, "decode", "q")
+        records = [view.recorded("decode", qr, k, v, scale) for view, qr in zip(self.rows, qs)]
+        return _attend_records(q, [row.codec for row in self.donor.rows], records, check_scale("decode", scale))
+
     def spec(self, index_of: Callable[[object], int | None] | None = None) -> CacheSpec:
         return CacheSpec(self.kind, self.sliding_window, None if index_of is None else index_of(self.donor))
+
+
+def _attend_records(q: mx.array, codecs: list, records: list, scale: float) -> mx.array:
+    """Row ``r`` of ``q`` attended over ``records[r]`` (its cache's record of the read: keys,
+    values and mask, as its read alone attends them). Rows whose record is a run of their cache's
+    buffers, unmasked, go in one call per storage layout (``Codec.attend_rows``: the decode kernels'
+    rows form, reading each row's run in place); the others, and every row where that call does
+    not run (``GEMMA_ZOO_DECODE_KERNELS=0``, the accelerator plan), attend alone as ``decode`` does."""
+    groups: dict = {}
+    for r, (codec, record) in enumerate(zip(codecs, records)):
+        together = record.buffers is not None and record.mask is None
+        groups.setdefault(codec.layout if together else None, []).append(r)
+    order, outs = [], []
+    for layout, members in groups.items():
+        out = None
+        if layout is not None:
+            rows_q = q if len(members) == len(records) else q[mx.array(members)]
+            out = codecs[members[0]].attend_rows(rows_q, [records[r].buffers for r in members], scale)
+        if out is None:
+            alone = [codecs[r].attend(q[r : r + 1], records[r].keys, records[r].values, scale, records[r].mask) for r in members]
+            out = alone[0] if len(alone) == 1 else mx.concatenate(alone, axis=0)
+        order += members
+        outs.append(out)
+    if len(outs) == 1:
+        return outs[0]
+    out = mx.concatenate(outs, axis=0)
+    return out[mx.array(sorted(range(len(order)), key=order.__getitem__))]
 
 
 def _check_new(new: Sequence[int] | None, B: int) -> tuple[int, ...] | None:

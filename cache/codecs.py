@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .attention import FIRST_ROW, attend, attend_quantized_query_run, attend_query_run, fold_queries, masked_softmax, unfold_queries
+from .attention import (
+    FIRST_ROW, attend, attend_quantized_query_run, attend_query_rows, attend_query_run, fold_queries, masked_softmax,
+    unfold_queries,
+)  # fmt: skip
 
 Planes = tuple  # tuple[mx.array, ...], position axis -2
 
@@ -23,18 +26,28 @@ def run_of(planes: Planes, start: mx.array, size: int) -> Planes:
 
 
 class Codec:
-    """What both codecs share: attending a run of stored rows."""
+    """What both codecs share: attending a run of stored rows. ``layout`` is what rows must share
+    to be attended in one call (``attend_rows``): the codec and its settings."""
+
+    layout: tuple = ()
 
     def attend_run(self, q: mx.array, keys: Planes, values: Planes, start: mx.array, size: int, scale: float,
                    mask) -> mx.array:
         """``attend`` over rows ``[start, start + size)`` of the stored planes."""
         return self.attend(q, run_of(keys, start, size), run_of(values, start, size), scale, mask)
 
+    def attend_rows(self, q: mx.array, runs: list, scale: float) -> mx.array | None:
+        """Row ``r`` of ``q`` (one query each) over ``runs[r]`` = (key planes, value planes, first
+        row, rows) of its own cache, unmasked, in one call; None where the kernel does not take it."""
+        keys, values, starts, sizes = zip(*runs)
+        return attend_query_rows(q, list(keys), list(values), list(starts), list(sizes), scale, *self.layout[1:])
+
 
 class Dense(Codec):
     """Keys and values as they come, attended by ``attention.attend`` (MLX's fused kernel off the CPU)."""
 
     quantized = False
+    layout = ("dense",)
 
     def check(self, read: str, k: mx.array, v: mx.array) -> None:
         pass
@@ -92,6 +105,7 @@ class Quantized(Codec):
         if group_size not in self.GROUP_SIZES:
             raise ValueError(f"kv_group_size must be one of {self.GROUP_SIZES}, got {group_size}")
         self.bits, self.group_size = int(bits), int(group_size)
+        self.layout = ("quantized", self.bits, self.group_size)
 
     def check(self, read: str, k: mx.array, v: mx.array) -> None:
         for name, x in (("k", k), ("v", v)):

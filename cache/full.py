@@ -72,7 +72,7 @@ class KVCache(AttentionCache):
         write_rows(self.keys, n, k)
         write_rows(self.values, n, v)
         self._rows = n + L
-        return rows(self.keys, 0, n + L), rows(self.values, 0, n + L), 0
+        return rows(self.keys, 0, n + L), rows(self.values, 0, n + L), 0, (0, n + L)
 
     def _canvas_keys(self, k, v, raw_k, raw_v):
         # The block goes into the free rows past the stored ones without being counted as stored,

@@ -127,7 +127,7 @@ class RotatingKVCache(AttentionCache):
         write_rows(self.keys, n, k)
         write_rows(self.values, n, v)
         self._rows = n + L
-        return rows(self.keys, n - h, n + L), rows(self.values, n - h, n + L), self.offset - h
+        return rows(self.keys, n - h, n + L), rows(self.values, n - h, n + L), self.offset - h, (n - h, h + L)
 
     def _decode_room(self, like_k, like_v):
         # One position always fits (the capacity exceeds the window); the read is the newest
@@ -151,7 +151,7 @@ class RotatingKVCache(AttentionCache):
         fresh_k, fresh_v = self._new_planes(raw_k, raw_v, self.capacity - kept)
         self.keys, self.values = concat(tail_k, fresh_k), concat(tail_v, fresh_v)
         self._rows = kept
-        return keys, values, self.offset - h
+        return keys, values, self.offset - h, None
 
     def _canvas_keys(self, k, v, raw_k, raw_v):
         n, h = self._rows, self._history()

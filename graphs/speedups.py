@@ -8,7 +8,9 @@ order) and only changes where or how the work runs:
   schedule one by one). ``GEMMA_ZOO_COMPILE=0`` calls the modules as they are.
 - ``VocabularyHead``: the output head ``h @ W.T`` (``lm_head`` or the tied ``embed_tokens``); after
   ``split_head`` its weight is stored as a view of the contiguous transpose and a few-row product
-  runs as row blocks on separate CPU streams, one core each, summed.
+  runs as row blocks on separate CPU streams, one core each, summed; a batch's decode step of
+  ``HEAD_KERNEL_ROWS`` rows goes through the decode kernels' ``rows_product`` instead (the BLAS
+  packs the whole transposed head first for those row counts).
 - ``GeGLUMLP.use_streams`` (``graphs.layers``): the gate and up products of a few rows on two streams.
 
 Products of more than ``FEW_ROWS`` rows (prefill) are GEMMs the BLAS threads itself: unsplit.
@@ -22,9 +24,12 @@ import functools
 import mlx.core as mx
 import mlx.nn as nn
 
-from zoo_cpu import backend, fast_math, switches
+from zoo_cpu import backend, decode, fast_math, switches
 
 FEW_ROWS = 8  # products with more rows than this are left to the BLAS's own threads
+# Rows of a head product that take decode.rows_product where the decode kernels run: from 4 rows
+# the BLAS's product with the transposed head is 2-3x slower than the kernel (1 and 2 rows: faster).
+HEAD_KERNEL_ROWS = (4, decode.ROWS_PRODUCT_ROWS)
 
 _streams: list = []
 
@@ -99,7 +104,7 @@ class HeadBlocks:
     def __init__(self, weight: mx.array, transposed: mx.array, parts: int):
         H = transposed.shape[0]
         bounds = [round(i * H / parts) for i in range(parts + 1)]
-        self.weight = weight
+        self.weight, self.transposed = weight, transposed
         self.blocks = [(a, b, transposed[a:b]) for a, b in zip(bounds, bounds[1:])]
         mx.eval([w for _, _, w in self.blocks])
 
@@ -125,7 +130,7 @@ class VocabularyHead:
         transposed = mx.contiguous(weight.T)
         mx.eval(transposed)
         module.weight = transposed.T  # the same values, a strided view: lookups and saving are unchanged
-        self.head_blocks = HeadBlocks(module.weight, transposed, parts) if parts > 1 else None
+        self.head_blocks = HeadBlocks(module.weight, transposed, parts)
         name = "lm_head" if "lm_head" in self else "tied embed_tokens"
         where = f", split across {parts} CPU streams" if parts > 1 else ""
         return f"output head ({name}, {weight.shape[0]}x{weight.shape[1]}) stored transposed{where}"
@@ -134,7 +139,13 @@ class VocabularyHead:
         """``h @ W.T`` (plus the head's bias), in row blocks on CPU streams when split and ``h`` is a few rows."""
         module = self.head_module()
         blocks = self.head_blocks
-        if blocks is None or not few_rows(h) or module.get("weight") is not blocks.weight:
+        if blocks is None or module.get("weight") is not blocks.weight:
+            return module(h) if "lm_head" in self else module.as_linear(h)
+        rows = h.size // h.shape[-1]
+        if HEAD_KERNEL_ROWS[0] <= rows <= HEAD_KERNEL_ROWS[1] and h.dtype == mx.float32 and backend.active().decode:
+            out = decode.rows_product(h, blocks.transposed)
+            return out + module.bias if "bias" in module else out
+        if len(blocks.blocks) == 1 or not few_rows(h):
             return module(h) if "lm_head" in self else module.as_linear(h)
         parts = []
         for stream, (a, b, w) in zip(cpu_streams(len(blocks.blocks)), blocks.blocks):

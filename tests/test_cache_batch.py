@@ -8,6 +8,9 @@ cache as the same read alone would (checked through the row's stored keys and va
 
 from __future__ import annotations
 
+from collections import Counter
+from dataclasses import replace
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from hypothesis import strategies as st
 import models  # noqa: F401  (loads the fast BLAS before MLX runs)
 from cache import BatchCache, KVCache, RotatingKVCache, advance, batch_caches
 from cache.batch import BatchSharedView
+from zoo_cpu import backend, decode, extension
 from tests.test_cache_reads import Driver
 
 HKV, GROUPS, D, DV, SCALE = 2, 2, 32, 32, 0.2
@@ -105,15 +109,48 @@ def test_ragged_programs_match_each_row_alone(window, seed, ops):
             batch.read(op, a)
 
 
-def test_rows_wrap_their_windows_on_their_own_schedule():
+BACKENDS = {
+    "decode kernels": backend.for_cpu(),
+    "decode kernels off": replace(backend.for_cpu(), decode=False),  # GEMMA_ZOO_DECODE_KERNELS=0
+    "accelerator plan": backend.MLX,
+}
+
+
+@pytest.mark.parametrize("plan", BACKENDS)
+def test_rows_wrap_their_windows_on_their_own_schedule(plan):
     """Rows far apart (one past several wraps, one fresh) decode together, 40 steps."""
-    batch = Batch(4, 0)
-    batch.join(False, 30)
-    batch.join(True, 1)
-    batch.join(False, 9)
-    for _ in range(40):
-        batch.read("decode", 1)
+    with backend.using(BACKENDS[plan]):
+        batch = Batch(4, 0)
+        batch.join(False, 30)
+        batch.join(True, 1)
+        batch.join(False, 9)
+        for _ in range(40):
+            batch.read("decode", 1)
     assert [r.ref.offset for r in batch.rows] == [70, 41, 49]
+
+
+@pytest.mark.skipif(not extension.available(), reason="the C++ extension is not built here")
+@pytest.mark.parametrize("window", [None, 5])
+def test_a_decode_read_attends_its_rows_in_one_call_per_storage(window, monkeypatch):
+    """With the decode kernels, a batch's decode read (and its shared view's) attends every row
+    of one storage layout in one kernel call, each row at its own offset (sliding rows past their
+    window, quantized rows beside float ones, rows joining and leaving), each row exactly as alone."""
+    calls = []
+    rows_call = decode.attention_rows
+    monkeypatch.setattr(decode, "attention_rows", lambda q, *args: calls.append(q.shape[0]) or rows_call(q, *args))
+    with backend.using(backend.for_cpu()):
+        batch = Batch(window, 1)
+        for quantized, prefill in ((False, 3), (False, 17), (True, 9), (False, 1)):
+            batch.join(quantized, prefill)
+        for step in range(12):
+            if step == 4:
+                batch.leave(1)
+            if step == 7:
+                batch.join(True, 12)
+            calls.clear()
+            batch.read("decode", 1)
+            layouts = Counter(r.cache.codec.layout for r in batch.rows)
+            assert sorted(calls) == sorted(2 * list(layouts.values()))  # the owning read's and its shared view's
 
 
 def test_batch_caches_groups_layers_and_shared_views():

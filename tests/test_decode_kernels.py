@@ -156,6 +156,48 @@ def test_quantized_attention_reads_strided_planes_in_place():
     np.testing.assert_allclose(np.array(got), want, rtol=0, atol=5e-6 * np.abs(want).max())
 
 
+@settings(max_examples=40, deadline=None)
+@given(B=st.integers(1, 6), Hkv=st.integers(1, 2), groups=st.integers(1, 4), D=st.sampled_from([64, 128]),
+       Dv=st.sampled_from([64, 256]), bits=st.sampled_from([None, *decode.QUANTIZED_BITS]), data=st.data(),
+       isa=st.sampled_from(ISAS or ["portable"]))  # fmt: skip
+def test_attention_rows_equal_each_row_alone(B, Hkv, groups, D, Dv, bits, data, isa):
+    """A batch's rows, each over a run of planes of its own length (a strided view of a larger
+    buffer, as a cache's are), in one call: each row's output is exactly the single-row kernel's
+    (the same parts and the same sums), float and 4/8-bit quantized planes."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    q = mx.array(rng.standard_normal((B, Hkv * groups, 1, D)).astype(np.float32))
+    keys, values, starts, sizes = [], [], [], []
+    for _ in range(B):
+        T = data.draw(st.integers(1, 600))
+        sizes.append(data.draw(st.integers(1, T)))
+        starts.append(data.draw(st.integers(0, T - sizes[-1])))
+        for planes, width in ((keys, D), (values, Dv)):
+            x = mx.array(rng.standard_normal((1, Hkv, T + 7, width)).astype(np.float32))[:, :, :T]
+            planes.append((x,) if bits is None else tuple(mx.quantize(x, group_size=64, bits=bits)))
+    got = decode.attention_rows(q, keys, values, starts, sizes, 0.125, bits, 64, isa=isa)
+    for r in range(B):
+        if bits is None:
+            alone = decode.attention(q[r : r + 1], keys[r][0], values[r][0], mx.array(starts[r]), sizes[r], 0.125, None, isa=isa)
+        else:
+            alone = decode.attention_quantized(q[r : r + 1], keys[r], values[r], mx.array(starts[r]), sizes[r], 0.125, None,
+                                               bits, 64, isa=isa)  # fmt: skip
+        np.testing.assert_array_equal(np.array(got[r : r + 1]), np.array(alone), err_msg=f"row {r}")
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, decode.ROWS_PRODUCT_ROWS), K=st.integers(1, 300), N=st.integers(1, 5000),
+       isa=st.sampled_from(ISAS or ["portable"]), seed=st.integers(0, 2**16))  # fmt: skip
+def test_rows_product_matches_float64(rows, K, N, isa, seed):
+    """A few rows through a weight stored transposed (the output head's layout), tiles and the
+    narrower last tile included."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, 1, K)).astype(np.float32)
+    wt = rng.standard_normal((K, N)).astype(np.float32)
+    got = np.array(decode.rows_product(mx.array(x), mx.array(wt), isa=isa))
+    want = x.astype(np.float64) @ wt.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()) * np.sqrt(K))
+
+
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 9), D=st.integers(1, 300), shift=st.sampled_from([0.0, 1.0]), residual=st.booleans(),
        isa=st.sampled_from(ISAS or ["portable"]), seed=st.integers(0, 2**16))  # fmt: skip
@@ -207,6 +249,20 @@ QUANTIZED_ROWS = tuple(mx.quantize(mx.zeros((1, 1, 4, 64)), group_size=64, bits=
          r"bits must be 4 or 8, got 3"),
         (lambda: decode.attention_quantized(mx.zeros((1, 1, 1, 128)), QUANTIZED_ROWS, QUANTIZED_ROWS, mx.array(0), 4, 1.0, None, 8, 64),
          r"keys of head dim 128 at 8 bits, group 64 need packed \[..., 32\]"),
+        (lambda: decode.attention_rows(mx.zeros((2, 2, 1, 4)), [(mx.zeros((1, 1, 5, 4)),)], [(mx.zeros((1, 1, 5, 4)),)],
+                                       [0], [5], 1.0), r"q's 2 rows need 4 planes \(2 a row\) and 2 starts and sizes, got 2 planes"),
+        (lambda: decode.attention_rows(mx.zeros((2, 2, 1, 4)), [(mx.zeros((1, 1, 5, 4)),), (mx.zeros((1, 1, 3, 4)),)],
+                                       [(mx.zeros((1, 1, 5, 4)),), (mx.zeros((1, 1, 3, 4)),)], [0, 1], [5, 3], 1.0),
+         r"row 1: run \[1, 4\) is not a non-empty run of its planes' 3 rows"),
+        (lambda: decode.attention_rows(mx.zeros((2, 2, 1, 4)), [(mx.zeros((1, 1, 5, 4)),), (mx.zeros((1, 2, 5, 4)),)],
+                                       [(mx.zeros((1, 1, 5, 4)),), (mx.zeros((1, 2, 5, 4)),)], [0, 0], [5, 5], 1.0),
+         r"row 1: planes \[1, 2, 5, 4\] of value head dim 4 do not fit row 0's 1 kv heads"),
+        (lambda: decode.attention_rows(mx.zeros((1, 1, 1, 64)), [QUANTIZED_ROWS], [QUANTIZED_ROWS], [0], [4], 1.0, 4, 64),
+         r"row 0: planes .* are not one head dim at 4 bits, group 64"),
+        (lambda: decode.rows_product(mx.zeros((33, 4)), mx.zeros((4, 8))), r"x must hold 1 to 32 rows, got \[33, 4\]"),
+        (lambda: decode.rows_product(mx.zeros((2, 4)), mx.zeros((5, 8))), r"must share K, got \[2, 4\] and \[5, 8\]"),
+        (lambda: decode.attention_rows(mx.zeros((1, 1, 1, 64)), [QUANTIZED_ROWS], [QUANTIZED_ROWS], [0], [4], 1.0, 3, 64),
+         r"bits must be 0 \(float planes\), 4 or 8, got 3"),
     ],
 )
 def test_bad_arguments_are_named(call, message):

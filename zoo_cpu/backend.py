@@ -6,8 +6,8 @@
   attention in query blocks (MLX's CPU ``exp``/``tanh``/``cos`` are scalar loops);
 - ``prefill``: the extension's float32 kernels for a prompt's attention, projections, GELU gate,
   RoPE and RMSNorm on both cores;
-- ``decode``: the extension's decode-step kernels (norms, attention heads, single-query attention,
-  GELU gate as one graph node each).
+- ``decode``: the extension's decode-step kernels (norms, attention heads, single-query attention
+  and a batch's rows of them, GELU gate as one graph node each; a batch's rows through the head).
 
 ``for_cpu()`` is the CPU plan's choice (each on unless its ``GEMMA_ZOO_*`` switch says off, the
 extension's only where it runs); ``MLX`` (all off) is the accelerator plan's. ``models.load``'s
@@ -62,8 +62,8 @@ class Backend:
             lines.append(f"prefill and decode kernels off: {extension.describe()}")
         if self.decode:
             lines.append(
-                "decode kernels: RMSNorm (+ residual), attention heads, single-query attention, GeGLU gate one graph "
-                f"node each ({DECODE}=0: MLX's ops)"
+                "decode kernels: RMSNorm (+ residual), attention heads, single-query attention (a batch's rows in one "
+                f"call), GeGLU gate one graph node each; a batch's 4-32 rows through the output head ({DECODE}=0: MLX's ops)"
             )
         return lines
 

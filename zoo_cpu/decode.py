@@ -13,7 +13,12 @@ a residual, so that the pieces a layer repeats are one node each:
   a row given as an array, read in place (no slice of the planes is made), masked by the mask the
   cache built; parts of the run on the extension's threads, merged by their maxima;
 - ``attention_quantized``: the same over ``mx.quantize``'s planes (8 or 4 bits), the codes read in
-  place (MLX's ``quantized_matmul`` pair it replaces runs far below the bandwidth: docs/long_context.md).
+  place (MLX's ``quantized_matmul`` pair it replaces runs far below the bandwidth: docs/long_context.md);
+- ``attention_rows``: a ragged batch's decode read as one node: one query per batch row, each over
+  a run of that row's own planes (float or quantized), every row's parts on the threads together
+  (the row-by-row reads it replaces cost a node and a thread hand-off each: docs/cache.md);
+- ``rows_product``: a batch's few rows through a weight stored transposed (the output head), the
+  weight streamed once (the BLAS packs all of it first for 4 to 16 rows: docs/speed.md).
 
 Float32 only, the same arithmetic as ``zoo_cpu.fast_math``'s chains up to summation order
 (``tests/test_decode_kernels.py``). ``fast_math`` and ``cache`` call them where ``zoo_cpu.backend``
@@ -55,3 +60,22 @@ def attention_quantized(q: mx.array, keys: tuple, values: tuple, start: mx.array
     start = start.reshape(1).astype(mx.int32)
     return _module().decode_attention_quantized(q, *keys, *values, start, size, float(scale), mask, bits, group_size,
                                                 isa or "")
+
+
+def attention_rows(q: mx.array, keys: list, values: list, starts: list, sizes: list, scale: float, bits: int | None = None,
+                   group_size: int = 64, isa: str | None = None) -> mx.array:
+    """``attention`` for each row ``r`` of ``q [B, Hq, 1, D]`` over rows ``[starts[r], starts[r] +
+    sizes[r])`` of that row's own planes ``keys[r]``/``values[r]`` (tuples of planes ``[1, Hkv, T_r,
+    ...]``: one float32 plane, or ``mx.quantize``'s three with ``bits`` in ``QUANTIZED_BITS``), unmasked."""
+    planes = [p for k, v in zip(keys, values) for p in (*k, *v)]
+    return _module().decode_attention_rows(q, planes, [int(s) for s in starts], [int(s) for s in sizes], float(scale),
+                                           bits or 0, group_size, isa or "")
+
+
+ROWS_PRODUCT_ROWS = 32  # the most rows rows_product takes (kRowsProductRows)
+
+
+def rows_product(x: mx.array, wt: mx.array, isa: str | None = None) -> mx.array:
+    """``x [..., K] @ wt [K, N]`` in float32 for at most ``ROWS_PRODUCT_ROWS`` rows of ``x``, ``wt``
+    row-contiguous (a ``[N, K]`` weight stored as its transpose)."""
+    return _module().rows_product(x, wt, isa or "")

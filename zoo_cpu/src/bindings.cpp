@@ -43,6 +43,11 @@ NB_MODULE(_packed, m) {
         "k_biases"_a, "v_packed"_a, "v_scales"_a, "v_biases"_a, "start"_a, "size"_a, "scale"_a, "mask"_a = nb::none(),
         "bits"_a = 8, "group_size"_a = 64, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "decode_attention over mx.quantize's key and value planes (4 or 8 bits), the codes read in place");
+  m.def("decode_attention_rows", &zoo::decode_attention_rows, "q"_a, "planes"_a, "starts"_a, "sizes"_a, "scale"_a,
+        "bits"_a = 0, "group_size"_a = 64, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
+        "one query per batch row over a run of that row's own key and value planes (float, or 4/8-bit quantized)");
+  m.def("rows_product", &zoo::rows_product, "x"_a, "wt"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
+        "x [..., K] @ wt [K, N] in float32 for a few rows of x (a weight stored transposed), split over the threads");
   m.def("available_isas", &zoo::available_isas, "instruction sets this CPU and build run, widest first");
   m.def("threads", &zoo::threads, "threads the products split their rows over");
   m.def("set_threads", &zoo::set_threads, "n"_a, "split products over at most n threads (1 to the CPUs available)");

@@ -1,6 +1,7 @@
 // The decode primitives' argument checks and CPU evaluation (see decode.h).
 #include "decode.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -126,6 +127,77 @@ mx::array decode_attention_quantized(const mx::array& q, const mx::array& k_pack
                                     static_cast<float>(group_size)};
   return mx::array({B, Hq, 1, Dv}, mx::float32, std::make_shared<DecodeAttentionQuantized>(stream, parse_isa(isa), settings),
                    std::move(inputs));
+}
+
+mx::array decode_attention_rows(const mx::array& q, const std::vector<mx::array>& planes, const std::vector<int>& starts,
+                                const std::vector<int>& sizes, float scale, int bits, int group_size,
+                                const std::string& isa, mx::StreamOrDevice s) {
+  const char* op = "decode_attention_rows";
+  auto stream = cpu_only(op, s);
+  check_float32(op, {{"q", &q}});
+  if (q.ndim() != 4 || q.shape(2) != 1) fail(op, "q must be [B, Hq, 1, D], got " + shape_of(q));
+  if (bits != 0 && bits != 4 && bits != 8) fail(op, "bits must be 0 (float planes), 4 or 8, got " + std::to_string(bits));
+  if (bits && group_size != 32 && group_size != 64 && group_size != 128)
+    fail(op, "group_size must be 32, 64 or 128, got " + std::to_string(group_size));
+  const int B = q.shape(0), Hq = q.shape(1), D = q.shape(3), per_row = bits ? 6 : 2;
+  if (static_cast<int>(planes.size()) != B * per_row || static_cast<int>(starts.size()) != B ||
+      static_cast<int>(sizes.size()) != B)
+    fail(op, "q's " + std::to_string(B) + " rows need " + std::to_string(B * per_row) + " planes (" +
+                 std::to_string(per_row) + " a row) and " + std::to_string(B) + " starts and sizes, got " +
+                 std::to_string(planes.size()) + " planes, " + std::to_string(starts.size()) + " starts, " +
+                 std::to_string(sizes.size()) + " sizes");
+  int Hkv = -1, Dv = -1;
+  for (int r = 0; r < B; ++r) {
+    const mx::array* p = planes.data() + r * per_row;
+    const std::string row = "row " + std::to_string(r) + ": ";
+    for (int i = 0; i < per_row; ++i)
+      if (p[i].ndim() != 4 || p[i].shape(0) != 1 || p[i].shape(1) != p[0].shape(1) || p[i].shape(2) != p[0].shape(2))
+        fail(op, row + "planes must be [1, Hkv, T, ...] of one Hkv and T, got " + shape_of(p[i]) + " beside " + shape_of(p[0]));
+    const int heads = p[0].shape(1), T = p[0].shape(2);
+    int k_dim, v_dim;
+    if (!bits) {
+      check_float32(op, {{"keys", &p[0]}, {"values", &p[1]}});
+      k_dim = p[0].shape(3), v_dim = p[1].shape(3);
+    } else {
+      check_float32(op, {{"k_scales", &p[1]}, {"k_biases", &p[2]}, {"v_scales", &p[4]}, {"v_biases", &p[5]}});
+      if (p[0].dtype() != mx::uint32 || p[3].dtype() != mx::uint32)
+        fail(op, row + "packed planes must be uint32 words (mx.quantize's)");
+      k_dim = p[1].shape(3) * group_size, v_dim = p[4].shape(3) * group_size;
+      for (const int at : {0, 3})
+        if (p[at].shape(3) * 32 != (at ? v_dim : k_dim) * bits || p[at + 2].shape(3) != p[at + 1].shape(3))
+          fail(op, row + "planes " + shape_of(p[at]) + ", " + shape_of(p[at + 1]) + ", " + shape_of(p[at + 2]) +
+                       " are not one head dim at " + std::to_string(bits) + " bits, group " + std::to_string(group_size));
+    }
+    if (k_dim != D) fail(op, row + "keys of head dim " + std::to_string(k_dim) + " for q " + shape_of(q));
+    if (r == 0) Hkv = heads, Dv = v_dim;
+    if (heads != Hkv || v_dim != Dv || Hkv < 1 || Hq % Hkv != 0)
+      fail(op, row + "planes " + shape_of(p[0]) + " of value head dim " + std::to_string(v_dim) + " do not fit row 0's " +
+                   std::to_string(Hkv) + " kv heads and value head dim " + std::to_string(Dv) + " (q heads " +
+                   std::to_string(Hq) + ", a multiple of them)");
+    if (starts[r] < 0 || sizes[r] < 1 || starts[r] + sizes[r] > T)
+      fail(op, row + "run [" + std::to_string(starts[r]) + ", " + std::to_string(starts[r] + sizes[r]) +
+                   ") is not a non-empty run of its planes' " + std::to_string(T) + " rows");
+  }
+  if (!(scale > 0.0f)) fail(op, "scale must be > 0, got " + std::to_string(scale));
+  std::vector<mx::array> inputs{q};
+  inputs.insert(inputs.end(), planes.begin(), planes.end());
+  return mx::array({B, Hq, 1, Dv}, mx::float32,
+                   std::make_shared<DecodeAttentionRows>(stream, parse_isa(isa), scale, bits, group_size, starts, sizes),
+                   std::move(inputs));
+}
+
+mx::array rows_product(const mx::array& x, const mx::array& wt, const std::string& isa, mx::StreamOrDevice s) {
+  const char* op = "rows_product";
+  auto stream = cpu_only(op, s);
+  check_float32(op, {{"x", &x}, {"wt", &wt}});
+  if (x.ndim() < 1 || wt.ndim() != 2 || x.shape(-1) != wt.shape(0))
+    fail(op, "x [..., K] and wt [K, N] must share K, got " + shape_of(x) + " and " + shape_of(wt));
+  const int64_t rows = x.shape(-1) ? x.size() / x.shape(-1) : 0;
+  if (rows < 1 || rows > kRowsProductRows)
+    fail(op, "x must hold 1 to " + std::to_string(kRowsProductRows) + " rows, got " + shape_of(x));
+  auto shape = x.shape();
+  shape.back() = wt.shape(1);
+  return mx::array(std::move(shape), mx::float32, std::make_shared<RowsProduct>(stream, parse_isa(isa)), {x, wt});
 }
 
 // ------------------------------------------------------------------------------------ evaluation
@@ -336,6 +408,109 @@ PartFn quantized_part_fn(int bits, Isa isa) {
   return bits == 8 ? quantized_chunk<8> : quantized_chunk<4>;
 }
 
+
+// x [M, K] @ wt [K, N] over column tiles of kTile: for each block of up to kBlockRows rows, the
+// block's sums over the tile stay in registers while the tile's K weight rows stream past (from L2
+// after the first block), so the weight is read from memory once, where the BLAS first packs the
+// whole of it for 4 to 16 rows. Chunks of whole tiles go to the threads.
+constexpr int64_t kTile = 64, kBlockRows = 4, kTilesPerChunk = 64;
+
+struct RowsProductJob {
+  const float *x, *wt;
+  float* out;
+  int64_t M, K, N;
+};
+
+template <int R>
+[[gnu::always_inline]] inline void rows_product_block(const RowsProductJob& j, int64_t m0, int64_t n0) {
+  float acc[R][kTile] = {};
+  for (int64_t k = 0; k < j.K; ++k) {
+    const float* w = j.wt + k * j.N + n0;
+    for (int r = 0; r < R; ++r) {
+      const float xv = j.x[(m0 + r) * j.K + k];
+      for (int64_t c = 0; c < kTile; ++c) acc[r][c] += xv * w[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < kTile; ++c) j.out[(m0 + r) * j.N + n0 + c] = acc[r][c];
+}
+
+[[gnu::always_inline]] inline void rows_product_part(const RowsProductJob& j, int chunk) {
+  const int64_t first = chunk * kTilesPerChunk * kTile, last = std::min(j.N, first + kTilesPerChunk * kTile);
+  for (int64_t n0 = first; n0 < last; n0 += kTile) {
+    if (n0 + kTile > last) {  // a last tile narrower than kTile
+      for (int64_t m = 0; m < j.M; ++m)
+        for (int64_t c = n0; c < last; ++c) {
+          float sum = 0.0f;
+          for (int64_t k = 0; k < j.K; ++k) sum += j.x[m * j.K + k] * j.wt[k * j.N + c];
+          j.out[m * j.N + c] = sum;
+        }
+      continue;
+    }
+    int64_t m0 = 0;
+    for (; m0 + kBlockRows <= j.M; m0 += kBlockRows) rows_product_block<kBlockRows>(j, m0, n0);
+    switch (j.M - m0) {
+      case 3: rows_product_block<3>(j, m0, n0); break;
+      case 2: rows_product_block<2>(j, m0, n0); break;
+      case 1: rows_product_block<1>(j, m0, n0); break;
+      default: break;
+    }
+  }
+}
+
+void rows_product_chunk(void* ctx, int chunk) { rows_product_part(*static_cast<const RowsProductJob*>(ctx), chunk); }
+#ifdef ZOO_X86_KERNELS
+[[gnu::target("avx2,fma")]] void rows_product_chunk_avx2(void* ctx, int chunk) {
+  rows_product_part(*static_cast<const RowsProductJob*>(ctx), chunk);
+}
+[[gnu::target("avx512f,fma")]] void rows_product_chunk_avx512(void* ctx, int chunk) {
+  rows_product_part(*static_cast<const RowsProductJob*>(ctx), chunk);
+}
+#endif
+
+// A ragged batch's rows attended together: one job per row (B = 1, its q, planes and run), the
+// chunks of every row's parts numbered one after another and run on the threads at once.
+template <class Job>
+struct RowsJob {
+  std::vector<Job> rows;
+  std::vector<int> first;  // each row's first chunk
+  void (*part)(void*, int);
+};
+
+template <class Job>
+void rows_chunk(void* ctx, int chunk) {
+  auto& j = *static_cast<RowsJob<Job>*>(ctx);
+  const auto r = std::upper_bound(j.first.begin(), j.first.end(), chunk) - j.first.begin() - 1;
+  j.part(&j.rows[r], chunk - j.first[r]);
+}
+
+// The rows' jobs (q and planes set) given their runs and parts, run, and merged into o [B, Hq, 1, Dv].
+template <class Job>
+void attend_rows(RowsJob<Job>& rj, const std::vector<int>& starts, const std::vector<int>& sizes, float scale, float* o) {
+  const int64_t B = rj.rows.size();
+  int64_t chunks = 0;
+  rj.first.resize(B);
+  for (int64_t r = 0; r < B; ++r) {
+    Job& j = rj.rows[r];
+    j.mask = nullptr, j.mask_batch = 0, j.B = 1, j.start = starts[r], j.size = sizes[r], j.scale = scale;
+    j.parts = parts_of(j.size);
+    rj.first[r] = static_cast<int>(chunks);
+    chunks += j.Hkv * j.parts;
+  }
+  const int64_t G = rj.rows[0].G, Dv = rj.rows[0].Dv;
+  std::vector<float> partial(chunks * G * (Dv + 2));
+  float *top = partial.data() + chunks * G * Dv, *sum = top + chunks * G;
+  for (int64_t r = 0; r < B; ++r) {
+    Job& j = rj.rows[r];
+    j.out = partial.data() + rj.first[r] * G * Dv, j.top = top + rj.first[r] * G, j.sum = sum + rj.first[r] * G;
+  }
+  parallel_chunks(static_cast<int>(chunks), rows_chunk<Job>, &rj);
+  for (int64_t r = 0; r < B; ++r) {
+    const Job& j = rj.rows[r];
+    merge_parts(o + r * j.Hkv * G * Dv, j.out, j.top, j.sum, j.Hkv, j.parts, G, Dv);
+  }
+}
+
 }  // namespace
 
 void DecodeHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
@@ -440,6 +615,84 @@ void DecodeAttentionQuantized::eval_cpu(const std::vector<mx::array>& inputs, mx
 
 std::vector<mx::Shape> DecodeAttentionQuantized::output_shapes(const std::vector<mx::array>& inputs) {
   return {{inputs[0].shape(0), inputs[0].shape(1), 1, inputs[5].shape(3) * static_cast<int>(settings_[4])}};
+}
+
+void RowsProduct::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& encoder = output_encoder(stream(), inputs, out);
+  encoder.dispatch([inputs, o = out.data<float>(), isa = isa_]() {
+    const auto &x = inputs[0], &wt = inputs[1];
+    std::vector<float> xc, wc;
+    RowsProductJob j{dense(x, xc), dense(wt, wc), o, static_cast<int64_t>(x.size() / x.shape(-1)), wt.shape(0), wt.shape(1)};
+    auto part = rows_product_chunk;
+#ifdef ZOO_X86_KERNELS
+    if (isa == Isa::avx512) part = rows_product_chunk_avx512;
+    else if (isa == Isa::avx2) part = rows_product_chunk_avx2;
+#endif
+    const int64_t per_chunk = kTilesPerChunk * kTile;
+    parallel_chunks(static_cast<int>((j.N + per_chunk - 1) / per_chunk), part, &j);
+  });
+}
+
+std::vector<mx::Shape> RowsProduct::output_shapes(const std::vector<mx::array>& inputs) {
+  auto shape = inputs[0].shape();
+  shape.back() = inputs[1].shape(1);
+  return {shape};
+}
+
+void DecodeAttentionRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  auto& encoder = output_encoder(stream(), inputs, out);
+  encoder.dispatch([inputs, o = out.data<float>(), isa = isa_, scale = scale_, bits = bits_,
+                    group = static_cast<int64_t>(group_), starts = starts_, sizes = sizes_]() {
+    const auto& q = inputs[0];
+    const int64_t B = q.shape(0), Hq = q.shape(1), D = q.shape(3);
+    std::vector<float> qc;
+    const float* qd = dense(q, qc);
+    std::vector<std::vector<float>> fc(inputs.size());  // copies of planes not row-contiguous
+    std::vector<std::vector<uint32_t>> wc(inputs.size());
+    if (!bits) {
+      RowsJob<AttentionJob> rj{std::vector<AttentionJob>(B), {}, attention_chunk};
+      for (int64_t r = 0; r < B; ++r) {
+        const auto &k = inputs[1 + 2 * r], &v = inputs[2 + 2 * r];
+        AttentionJob& j = rj.rows[r];
+        j.kn = vector_kernels(isa);
+        j.q = qd + r * Hq * D;
+        j.k = rows_of(k, j.k_stride, fc[1 + 2 * r]);
+        j.v = rows_of(v, j.v_stride, fc[2 + 2 * r]);
+        j.Hkv = k.shape(1), j.G = Hq / j.Hkv, j.D = D, j.Dv = v.shape(3);
+      }
+      attend_rows(rj, starts, sizes, scale, o);
+      return;
+    }
+    RowsJob<QuantizedJob> rj{std::vector<QuantizedJob>(B), {}, quantized_part_fn(bits, isa)};
+    for (int64_t r = 0; r < B; ++r) {
+      const int64_t at = 1 + 6 * r;
+      QuantizedJob& j = rj.rows[r];
+      j.q = qd + r * Hq * D;
+      j.kp = rows_of(inputs[at], j.kp_stride, wc[at]);
+      j.ks = rows_of(inputs[at + 1], j.ks_stride, fc[at + 1]);
+      j.kb = rows_of(inputs[at + 2], j.kb_stride, fc[at + 2]);
+      j.vp = rows_of(inputs[at + 3], j.vp_stride, wc[at + 3]);
+      j.vs = rows_of(inputs[at + 4], j.vs_stride, fc[at + 4]);
+      j.vb = rows_of(inputs[at + 5], j.vb_stride, fc[at + 5]);
+      j.Hkv = inputs[at].shape(1), j.G = Hq / j.Hkv, j.D = D, j.group = group, j.Dv = inputs[at + 4].shape(3) * group;
+    }
+    attend_rows(rj, starts, sizes, scale, o);
+  });
+}
+
+void DecodeAttentionRows::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("DecodeAttentionRows runs on MLX's CPU device only");
+}
+
+std::vector<mx::Shape> DecodeAttentionRows::output_shapes(const std::vector<mx::array>& inputs) {
+  const auto& last = inputs.back();  // the last row's values (float) or value biases (quantized)
+  return {{inputs[0].shape(0), inputs[0].shape(1), 1, bits_ ? last.shape(3) * group_ : last.shape(3)}};
+}
+
+bool DecodeAttentionRows::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const DecodeAttentionRows&>(other);
+  return isa_ == o.isa_ && scale_ == o.scale_ && bits_ == o.bits_ && group_ == o.group_ && starts_ == o.starts_ &&
+         sizes_ == o.sizes_;
 }
 
 }  // namespace zoo

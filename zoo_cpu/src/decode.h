@@ -12,6 +12,12 @@
 // - DecodeAttentionQuantized: the same read over mx.quantize's planes (8- or 4-bit codes, a scale
 //   and bias per group), the codes read in place: the bytes a decode step reads shrink with the
 //   cache's, where MLX's quantized_matmul pair runs far below the bandwidth.
+// - DecodeAttentionRows: a ragged batch's decode read in one node: one query per batch row, each
+//   over a run of that row's own planes (each conversation's cache is a buffer of its own length),
+//   float or quantized; every row's parts of its run on the threads together.
+// - RowsProduct: x [..., K] @ wt [K, N] for a few rows (a batch's decode step through the output
+//   head stored transposed): the weight streamed once, column tiles on the threads, each tile's
+//   sums for every row kept in L1 (the BLAS packs the whole weight for 4 to 16 rows).
 //
 // float32 in and out; the per-instruction-set kernels are prefill_impl.h's.
 #pragma once
@@ -52,6 +58,20 @@ mx::array decode_attention_quantized(const mx::array& q, const mx::array& k_pack
                                      const std::optional<mx::array>& mask, int bits, int group_size,
                                      const std::string& isa = "", mx::StreamOrDevice s = {});
 
+// One decode query per batch row over that row's own planes: q [B, Hq, 1, D]; `planes` holds, row
+// after row, the row's key planes then its value planes: bits 0 (float) keys [1, Hkv, T_r, D] and
+// values [1, Hkv, T_r, Dv]; bits 4 or 8 mx.quantize's (packed, scales, biases) for each, as
+// decode_attention_quantized takes them. Row r attends rows [starts[r], starts[r] + sizes[r]) of
+// its planes, unmasked (a decode read sees its whole run). Output [B, Hq, 1, Dv].
+mx::array decode_attention_rows(const mx::array& q, const std::vector<mx::array>& planes, const std::vector<int>& starts,
+                                const std::vector<int>& sizes, float scale, int bits, int group_size,
+                                const std::string& isa = "", mx::StreamOrDevice s = {});
+
+// x [..., K] @ wt [K, N] in float32 for at most kRowsProductRows rows of x, wt row-contiguous
+// (a [N, K] weight stored as its transpose). Output [..., N].
+constexpr int kRowsProductRows = 32;
+mx::array rows_product(const mx::array& x, const mx::array& wt, const std::string& isa = "", mx::StreamOrDevice s = {});
+
 class DecodeHeads : public mx::Primitive {
  public:
   // settings: heads, kv_heads, has_v, head_dim, q weighted, k weighted, shift, eps, v_norm
@@ -82,6 +102,28 @@ class DecodeAttentionQuantized : public PrefillPrimitive {  // settings: scale, 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
   const char* name() const override { return "DecodeAttentionQuantized"; }
+};
+
+// output [..., N].
+ZOO_PREFILL_PRIMITIVE(RowsProduct, std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;)
+
+class DecodeAttentionRows : public mx::UnaryPrimitive {
+ public:
+  DecodeAttentionRows(mx::Stream stream, Isa isa, float scale, int bits, int group_size, std::vector<int> starts,
+                      std::vector<int> sizes)
+      : mx::UnaryPrimitive(stream), isa_(isa), scale_(scale), bits_(bits), group_(group_size),
+        starts_(std::move(starts)), sizes_(std::move(sizes)) {}
+  void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  void eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) override;
+  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
+  bool is_equivalent(const mx::Primitive& other) const override;
+  const char* name() const override { return "DecodeAttentionRows"; }
+
+ private:
+  Isa isa_;
+  float scale_;
+  int bits_, group_;
+  std::vector<int> starts_, sizes_;
 };
 
 }  // namespace zoo

@@ -173,6 +173,7 @@ class PrefillPrimitive : public mx::UnaryPrimitive {
   std::vector<float> settings_;
 };
 
+// (decode.h declares its one-output primitives with it too)
 #define ZOO_PREFILL_PRIMITIVE(Name, extra)                                                     \
   class Name : public PrefillPrimitive {                                                        \
    public:                                                                                      \
@@ -192,6 +193,5 @@ ZOO_PREFILL_PRIMITIVE(RmsNorm, )  // settings: eps, weighted (0/1), shift, with 
 ZOO_PREFILL_PRIMITIVE(RopeRotate, )
 ZOO_PREFILL_PRIMITIVE(GeluGate,
                       std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;)
-#undef ZOO_PREFILL_PRIMITIVE
 
 }  // namespace zoo
