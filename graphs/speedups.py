@@ -7,8 +7,11 @@ order) and only changes where or how the work runs:
   function (``mx.compile`` fuses a dozen small element-wise ops that the CPU would otherwise
   schedule one by one). ``GEMMA_ZOO_COMPILE=0`` calls the modules as they are.
 - ``VocabularyHead``: the output head ``h @ W.T`` (``lm_head`` or the tied ``embed_tokens``); after
-  ``split_head`` its weight is stored as a view of the contiguous transpose and a few-row product
-  runs as row blocks on separate CPU streams, one core each, summed.
+  ``split_head`` its weight is stored as a view of the contiguous transpose; one row (a decode step)
+  runs as row blocks on separate CPU streams, one core each, summed; 2 to ``FEW_ROWS`` rows (a
+  speculative verify block) through the extension's few-row kernel on that transpose
+  (``zoo_cpu.prefill.linear``), which reads the weight once where the BLAS's GEMM takes several
+  times as long as one row.
 - ``GeGLUMLP.use_streams`` (``graphs.layers``): the gate and up products of a few rows on two streams.
 
 Products of more than ``FEW_ROWS`` rows (prefill) are GEMMs the BLAS threads itself: unsplit.
@@ -20,7 +23,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from zoo_cpu import fast_math, switches
+from zoo_cpu import backend, fast_math, prefill, switches
 
 FEW_ROWS = 8  # products with more rows than this are left to the BLAS's own threads
 
@@ -78,14 +81,15 @@ def norm_rope(x: mx.array, norm, rope, offset: int | tuple[int, ...], plus_one: 
 
 # ---------------------------------------------------------------------------------------- the output head
 class HeadBlocks:
-    """Row blocks of the head's transposed ``[H, V]`` storage (evaluated views, no copy), and the
-    ``[V, H]`` weight they were cut from (a replaced weight makes them stale: then unused)."""
+    """The head's contiguous transposed ``[H, V]`` storage, its row blocks for ``parts`` > 1 CPU streams
+    (evaluated views, no copy), and the ``[V, H]`` weight they were cut from (a replaced weight makes
+    them stale: then unused)."""
 
     def __init__(self, weight: mx.array, transposed: mx.array, parts: int):
         H = transposed.shape[0]
         bounds = [round(i * H / parts) for i in range(parts + 1)]
-        self.weight = weight
-        self.blocks = [(a, b, transposed[a:b]) for a, b in zip(bounds, bounds[1:])]
+        self.weight, self.transposed = weight, transposed
+        self.blocks = [(a, b, transposed[a:b]) for a, b in zip(bounds, bounds[1:])] if parts > 1 else []
         mx.eval([w for _, _, w in self.blocks])
 
 
@@ -98,9 +102,9 @@ class VocabularyHead:
         return self["lm_head"] if "lm_head" in self else self["embed_tokens"]
 
     def split_head(self, parts: int) -> str | None:
-        """Store the head's ``[V, H]`` weight as a view of its contiguous ``[H, V]`` transpose and
-        cut it into ``parts`` row blocks for ``head_product``; what was done, or None when the head
-        is quantized or not float32 (left as it is)."""
+        """Store the head's ``[V, H]`` weight as a view of its contiguous ``[H, V]`` transpose (and
+        with ``parts`` > 1 cut it into row blocks) for ``head_product``; what was done, or None when
+        the head is quantized or not float32 (left as it is)."""
         module = self.head_module()
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "weight" not in module:
             return None
@@ -110,24 +114,32 @@ class VocabularyHead:
         transposed = mx.contiguous(weight.T)
         mx.eval(transposed)
         module.weight = transposed.T  # the same values, a strided view: lookups and saving are unchanged
-        self.head_blocks = HeadBlocks(module.weight, transposed, parts) if parts > 1 else None
+        self.head_blocks = HeadBlocks(module.weight, transposed, parts)
         name = "lm_head" if "lm_head" in self else "tied embed_tokens"
         where = f", split across {parts} CPU streams" if parts > 1 else ""
         return f"output head ({name}, {weight.shape[0]}x{weight.shape[1]}) stored transposed{where}"
 
     def head_product(self, h: mx.array) -> mx.array:
-        """``h @ W.T`` (plus the head's bias), in row blocks on CPU streams when split and ``h`` is a few rows."""
+        """``h @ W.T`` (plus the head's bias): for a few rows on the transposed storage, one row in
+        row blocks on CPU streams when split, 2 to ``FEW_ROWS`` rows through the few-row kernel where
+        the backend runs the extension's kernels."""
         module = self.head_module()
         blocks = self.head_blocks
+        rows = h.size // h.shape[-1]
         if blocks is None or not few_rows(h) or module.get("weight") is not blocks.weight:
             return module(h) if "lm_head" in self else module.as_linear(h)
-        parts = []
-        for stream, (a, b, w) in zip(cpu_streams(len(blocks.blocks)), blocks.blocks):
-            with mx.stream(stream):
-                parts.append(h[..., a:b] @ w)
-        out = parts[0]
-        for p in parts[1:]:
-            out = out + p
+        if rows > 1 and h.dtype == mx.float32 and backend.active().prefill:
+            out = prefill.linear(h, blocks.transposed, transposed=True)
+        elif blocks.blocks:
+            parts = []
+            for stream, (a, b, w) in zip(cpu_streams(len(blocks.blocks)), blocks.blocks):
+                with mx.stream(stream):
+                    parts.append(h[..., a:b] @ w)
+            out = parts[0]
+            for p in parts[1:]:
+                out = out + p
+        else:
+            return module(h) if "lm_head" in self else module.as_linear(h)
         if "bias" in module:
             out = out + module.bias
         return out

@@ -181,6 +181,71 @@ void linear_rows(const float* w, int64_t K, const float* panels, int64_t M, int6
   }
 }
 
+// Rows of x a few-row tile holds: 2 G accumulators, two weight vectors and a broadcast fit the registers.
+constexpr int GF = W >= 16 ? 8 : 4;
+
+// y[g, 0:NB] (+)= sum_{k < kc} x[g, k] wt[k, 0:NB] for G rows of x (ldx apart), weight rows ldw apart.
+template <int G>
+inline void axpy_tile(const float* wt, int64_t ldw, int64_t kc, const float* x, int64_t ldx, float* y, int64_t ldy,
+                      bool accumulate) {
+  vf acc[G][2];
+  for (int g = 0; g < G; ++g) {
+    acc[g][0] = accumulate ? load(y + g * ldy) : vf{};
+    acc[g][1] = accumulate ? load(y + g * ldy + W) : vf{};
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* row = wt + k * ldw;
+    const vf b0 = load(row), b1 = load(row + W);
+    for (int g = 0; g < G; ++g) {
+      const float xv = x[g * ldx + k];
+      acc[g][0] += b0 * xv;
+      acc[g][1] += b1 * xv;
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    store(y + g * ldy, acc[g][0]);
+    store(y + g * ldy + W, acc[g][1]);
+  }
+}
+
+// y[:, n0:n1] = x wt[:, n0:n1] for the M rows of x [M, K] (contiguous) and a weight stored transposed,
+// wt [K, N] with rows ldw apart (the output head's layout): blocks of KC weight rows, each streamed
+// along [n0, n1) in tiles of NB columns (KC sequential streams, few enough for the prefetchers), every
+// row of x against a tile while it is in the core's caches, y accumulated across the blocks (it
+// stays in the core's caches for a chunk of columns); the weight read once.
+void linear_few_transposed(const float* wt, int64_t ldw, int64_t K, const float* x, int64_t M, int64_t n0, int64_t n1,
+                           float* y, int64_t ldy) {
+  constexpr int64_t KC = 8;
+  const int64_t full = n0 + (n1 - n0) / NB * NB;
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = K - k0 < KC ? K - k0 : KC;
+    const bool accumulate = k0 > 0;
+    for (int64_t c0 = n0; c0 < full; c0 += NB) {
+      for (int64_t m0 = 0; m0 < M; m0 += GF) {
+        const float* w = wt + k0 * ldw + c0;
+        const float* xm = x + m0 * K + k0;
+        float* ym = y + m0 * ldy + c0;
+        switch (M - m0 < GF ? M - m0 : GF) {
+          case 1: axpy_tile<1>(w, ldw, kc, xm, K, ym, ldy, accumulate); break;
+          case 2: axpy_tile<2>(w, ldw, kc, xm, K, ym, ldy, accumulate); break;
+          case 3: axpy_tile<3>(w, ldw, kc, xm, K, ym, ldy, accumulate); break;
+          case 4: axpy_tile<4>(w, ldw, kc, xm, K, ym, ldy, accumulate); break;
+          case 5: axpy_tile<GF < 5 ? GF : 5>(w, ldw, kc, xm, K, ym, ldy, accumulate); break;
+          case 6: axpy_tile<GF < 6 ? GF : 6>(w, ldw, kc, xm, K, ym, ldy, accumulate); break;
+          case 7: axpy_tile<GF < 7 ? GF : 7>(w, ldw, kc, xm, K, ym, ldy, accumulate); break;
+          default: axpy_tile<GF>(w, ldw, kc, xm, K, ym, ldy, accumulate); break;
+        }
+      }
+    }
+    for (int64_t c = full; c < n1; ++c)  // columns past the last whole tile
+      for (int64_t m = 0; m < M; ++m) {
+        float s = accumulate ? y[m * ldy + c] : 0.0f;
+        for (int64_t k = 0; k < kc; ++k) s += x[m * K + k0 + k] * wt[(k0 + k) * ldw + c];
+        y[m * ldy + c] = s;
+      }
+  }
+}
+
 // Keys [j0, j1) (whole panels) of one (batch, kv head) into panels of D x NB floats, zero past T.
 void pack_keys(const float* k, int64_t k_row_stride, int64_t T, int64_t D, int64_t jb0, int64_t jb1, float* panels) {
   for (int64_t jb = jb0; jb < jb1; ++jb) {
