@@ -80,14 +80,19 @@ inline vf gelu_gate(vf gate, vf up) {
   return splat(0.5f) * gate * (splat(1.0f) + tanh_rational(inner)) * up;
 }
 
-// tile[r, :] = a_r[0:kc] . panel[0:kc, :] for M rows of a (lda apart: query rows, weight rows) and
-// one panel of NB packed rows (kc x NB floats, see pack_keys); tile rows ldt apart.
+// tile[r, :] (+)= a_r[0:kc] . panel[0:kc, :] for M rows of a (lda apart: query rows, weight rows, rows
+// of x) and NB columns of kc panel rows ldb apart (NB: a packed panel, see pack_keys; a weight stored
+// transposed: its row stride); tile rows ldt apart, added to when accumulate.
 template <int M>
-inline void panel_tile(const float* a, int64_t lda, const float* panel, int64_t kc, float* tile, int64_t ldt) {
+inline void panel_tile(const float* a, int64_t lda, const float* panel, int64_t kc, float* tile, int64_t ldt,
+                       int64_t ldb = NB, bool accumulate = false) {
   vf acc[M][2];
-  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = vf{};
+  for (int r = 0; r < M; ++r) {
+    acc[r][0] = accumulate ? load(tile + r * ldt) : vf{};
+    acc[r][1] = accumulate ? load(tile + r * ldt + W) : vf{};
+  }
   for (int64_t d = 0; d < kc; ++d) {
-    const vf b0 = load(panel + d * NB), b1 = load(panel + d * NB + W);
+    const vf b0 = load(panel + d * ldb), b1 = load(panel + d * ldb + W);
     for (int r = 0; r < M; ++r) {
       const float x = a[r * lda + d];
       acc[r][0] += b0 * x;
@@ -184,30 +189,6 @@ void linear_rows(const float* w, int64_t K, const float* panels, int64_t M, int6
 // Rows of x a few-row tile holds: 2 G accumulators, two weight vectors and a broadcast fit the registers.
 constexpr int GF = W >= 16 ? 8 : 4;
 
-// y[g, 0:NB] (+)= sum_{k < kc} x[g, k] wt[k, 0:NB] for G rows of x (ldx apart), weight rows ldw apart.
-template <int G>
-inline void axpy_tile(const float* wt, int64_t ldw, int64_t kc, const float* x, int64_t ldx, float* y, int64_t ldy,
-                      bool accumulate) {
-  vf acc[G][2];
-  for (int g = 0; g < G; ++g) {
-    acc[g][0] = accumulate ? load(y + g * ldy) : vf{};
-    acc[g][1] = accumulate ? load(y + g * ldy + W) : vf{};
-  }
-  for (int64_t k = 0; k < kc; ++k) {
-    const float* row = wt + k * ldw;
-    const vf b0 = load(row), b1 = load(row + W);
-    for (int g = 0; g < G; ++g) {
-      const float xv = x[g * ldx + k];
-      acc[g][0] += b0 * xv;
-      acc[g][1] += b1 * xv;
-    }
-  }
-  for (int g = 0; g < G; ++g) {
-    store(y + g * ldy, acc[g][0]);
-    store(y + g * ldy + W, acc[g][1]);
-  }
-}
-
 // y[:, n0:n1] = x wt[:, n0:n1] for the M rows of x [M, K] (contiguous) and a weight stored transposed,
 // wt [K, N] with rows ldw apart (the output head's layout): blocks of KC weight rows, each streamed
 // along [n0, n1) in tiles of NB columns (KC sequential streams, few enough for the prefetchers), every
@@ -226,14 +207,14 @@ void linear_few_transposed(const float* wt, int64_t ldw, int64_t K, const float*
         const float* xm = x + m0 * K + k0;
         float* ym = y + m0 * ldy + c0;
         switch (M - m0 < GF ? M - m0 : GF) {
-          case 1: axpy_tile<1>(w, ldw, kc, xm, K, ym, ldy, accumulate); break;
-          case 2: axpy_tile<2>(w, ldw, kc, xm, K, ym, ldy, accumulate); break;
-          case 3: axpy_tile<3>(w, ldw, kc, xm, K, ym, ldy, accumulate); break;
-          case 4: axpy_tile<4>(w, ldw, kc, xm, K, ym, ldy, accumulate); break;
-          case 5: axpy_tile<GF < 5 ? GF : 5>(w, ldw, kc, xm, K, ym, ldy, accumulate); break;
-          case 6: axpy_tile<GF < 6 ? GF : 6>(w, ldw, kc, xm, K, ym, ldy, accumulate); break;
-          case 7: axpy_tile<GF < 7 ? GF : 7>(w, ldw, kc, xm, K, ym, ldy, accumulate); break;
-          default: axpy_tile<GF>(w, ldw, kc, xm, K, ym, ldy, accumulate); break;
+          case 1: panel_tile<1>(xm, K, w, kc, ym, ldy, ldw, accumulate); break;
+          case 2: panel_tile<2>(xm, K, w, kc, ym, ldy, ldw, accumulate); break;
+          case 3: panel_tile<3>(xm, K, w, kc, ym, ldy, ldw, accumulate); break;
+          case 4: panel_tile<4>(xm, K, w, kc, ym, ldy, ldw, accumulate); break;
+          case 5: panel_tile<GF < 5 ? GF : 5>(xm, K, w, kc, ym, ldy, ldw, accumulate); break;
+          case 6: panel_tile<GF < 6 ? GF : 6>(xm, K, w, kc, ym, ldy, ldw, accumulate); break;
+          case 7: panel_tile<GF < 7 ? GF : 7>(xm, K, w, kc, ym, ldy, ldw, accumulate); break;
+          default: panel_tile<GF>(xm, K, w, kc, ym, ldy, ldw, accumulate); break;
         }
       }
     }
