@@ -7,10 +7,11 @@ order) and only changes where or how the work runs:
   function (``mx.compile`` fuses a dozen small element-wise ops that the CPU would otherwise
   schedule one by one). ``GEMMA_ZOO_COMPILE=0`` calls the modules as they are.
 - ``VocabularyHead``: the output head ``h @ W.T`` (``lm_head`` or the tied ``embed_tokens``); after
-  ``split_head`` its weight is stored as a view of the contiguous transpose and a few-row product
-  runs as row blocks on separate CPU streams, one core each, summed; a batch's decode step of
-  ``HEAD_KERNEL_ROWS`` rows goes through the decode kernels' ``rows_product`` instead (the BLAS
-  packs the whole transposed head first for those row counts).
+  ``split_head`` its weight is stored as a view of the contiguous transpose; one row (a decode step)
+  runs as row blocks on separate CPU streams, one core each, summed; ``HEAD_KERNEL_ROWS`` rows (a
+  speculative verify block, a batch's decode step) through the extension's few-row kernel on that
+  transpose (``zoo_cpu.prefill.linear``), which reads the weight once where the BLAS's GEMM packs
+  all of it first.
 - ``GeGLUMLP.use_streams`` (``graphs.layers``): the gate and up products of a few rows on two streams.
 
 Products of more than ``FEW_ROWS`` rows (prefill) are GEMMs the BLAS threads itself: unsplit.
@@ -24,12 +25,13 @@ import functools
 import mlx.core as mx
 import mlx.nn as nn
 
-from zoo_cpu import backend, decode, fast_math, switches
+from zoo_cpu import backend, fast_math, prefill, switches
 
 FEW_ROWS = 8  # products with more rows than this are left to the BLAS's own threads
-# Rows of a head product that take decode.rows_product where the decode kernels run: from 4 rows
-# the BLAS's product with the transposed head is 2-3x slower than the kernel (1 and 2 rows: faster).
-HEAD_KERNEL_ROWS = (4, decode.ROWS_PRODUCT_ROWS)
+# Rows of a head product that take the few-row kernel where the prefill kernels run: from 2 to 32
+# rows it beat the BLAS's product with the transposed head (1.3x at 2 rows, 3-5x at 4 to 8, 1.1x at
+# 32 on the 270M's head: docs/speed.md, "The output head").
+HEAD_KERNEL_ROWS = (2, 32)
 
 _streams: list = []
 
@@ -98,14 +100,15 @@ def norm_rope(x: mx.array, norm, rope, offset: int | tuple[int, ...], plus_one: 
 
 # ---------------------------------------------------------------------------------------- the output head
 class HeadBlocks:
-    """Row blocks of the head's transposed ``[H, V]`` storage (evaluated views, no copy), and the
-    ``[V, H]`` weight they were cut from (a replaced weight makes them stale: then unused)."""
+    """The head's contiguous transposed ``[H, V]`` storage, its row blocks for ``parts`` > 1 CPU streams
+    (evaluated views, no copy), and the ``[V, H]`` weight they were cut from (a replaced weight makes
+    them stale: then unused)."""
 
     def __init__(self, weight: mx.array, transposed: mx.array, parts: int):
         H = transposed.shape[0]
         bounds = [round(i * H / parts) for i in range(parts + 1)]
         self.weight, self.transposed = weight, transposed
-        self.blocks = [(a, b, transposed[a:b]) for a, b in zip(bounds, bounds[1:])]
+        self.blocks = [(a, b, transposed[a:b]) for a, b in zip(bounds, bounds[1:])] if parts > 1 else []
         mx.eval([w for _, _, w in self.blocks])
 
 
@@ -118,9 +121,9 @@ class VocabularyHead:
         return self["lm_head"] if "lm_head" in self else self["embed_tokens"]
 
     def split_head(self, parts: int) -> str | None:
-        """Store the head's ``[V, H]`` weight as a view of its contiguous ``[H, V]`` transpose and
-        cut it into ``parts`` row blocks for ``head_product``; what was done, or None when the head
-        is quantized or not float32 (left as it is)."""
+        """Store the head's ``[V, H]`` weight as a view of its contiguous ``[H, V]`` transpose (and
+        with ``parts`` > 1 cut it into row blocks) for ``head_product``; what was done, or None when
+        the head is quantized or not float32 (left as it is)."""
         module = self.head_module()
         if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)) or "weight" not in module:
             return None
@@ -136,24 +139,26 @@ class VocabularyHead:
         return f"output head ({name}, {weight.shape[0]}x{weight.shape[1]}) stored transposed{where}"
 
     def head_product(self, h: mx.array) -> mx.array:
-        """``h @ W.T`` (plus the head's bias), in row blocks on CPU streams when split and ``h`` is a few rows."""
+        """``h @ W.T`` (plus the head's bias) on the transposed storage: ``HEAD_KERNEL_ROWS`` rows
+        through the few-row kernel where the backend runs the prefill kernels, one row in row blocks
+        on CPU streams when split; anything else as the module computes it."""
         module = self.head_module()
         blocks = self.head_blocks
         if blocks is None or module.get("weight") is not blocks.weight:
             return module(h) if "lm_head" in self else module.as_linear(h)
         rows = h.size // h.shape[-1]
-        if HEAD_KERNEL_ROWS[0] <= rows <= HEAD_KERNEL_ROWS[1] and h.dtype == mx.float32 and backend.active().decode:
-            out = decode.rows_product(h, blocks.transposed)
-            return out + module.bias if "bias" in module else out
-        if len(blocks.blocks) == 1 or not few_rows(h):
+        if HEAD_KERNEL_ROWS[0] <= rows <= HEAD_KERNEL_ROWS[1] and h.dtype == mx.float32 and backend.active().prefill:
+            out = prefill.linear(h, blocks.transposed, transposed=True)
+        elif blocks.blocks and few_rows(h):
+            parts = []
+            for stream, (a, b, w) in zip(cpu_streams(len(blocks.blocks)), blocks.blocks):
+                with mx.stream(stream):
+                    parts.append(h[..., a:b] @ w)
+            out = parts[0]
+            for p in parts[1:]:
+                out = out + p
+        else:
             return module(h) if "lm_head" in self else module.as_linear(h)
-        parts = []
-        for stream, (a, b, w) in zip(cpu_streams(len(blocks.blocks)), blocks.blocks):
-            with mx.stream(stream):
-                parts.append(h[..., a:b] @ w)
-        out = parts[0]
-        for p in parts[1:]:
-            out = out + p
         if "bias" in module:
             out = out + module.bias
         return out

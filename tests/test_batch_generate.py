@@ -19,7 +19,7 @@ from models.generation.batch import BatchGenerator, BatchRequest  # noqa: E402
 from models.generation.generate import KVQuantization, SamplingOptions, generate_tokens  # noqa: E402
 from models.generation.prompts import Prompt  # noqa: E402
 from tests import hf_tiny  # noqa: E402
-from zoo_cpu import backend, decode  # noqa: E402
+from zoo_cpu import backend, decode, prefill  # noqa: E402
 from tests.test_gemma3_text_parity import _write_checkpoint as write_gemma3  # noqa: E402
 
 STOP = frozenset({1})
@@ -73,18 +73,20 @@ def test_gemma3_batch_equals_alone(gemma3):
 
 def test_batched_decode_takes_the_rows_kernels(gemma3, monkeypatch):
     """With the decode kernels, a step of 4 rows or more attends every row in one call per layer
-    (``decode.attention_rows``) and sends its rows through the head kernel (``decode.rows_product``),
-    and every request still gets exactly its tokens alone."""
+    (``decode.attention_rows``) and sends its rows through the few-row head kernel
+    (``prefill.linear`` on the transposed head), and every request still gets exactly its tokens alone."""
     if not backend.active().decode or gemma3.graph.head_blocks is None:
         pytest.skip("the decode kernels or the transposed head (fast BLAS) are not in effect here")
     prompts = ragged_prompts(gemma3.vocab_size)
     want = [alone(gemma3, p, o, n) for p, o, n in zip(prompts, SAMPLED, MAX_TOKENS)]
     calls = Counter()
-    for name in ("attention_rows", "rows_product"):
-        kernel = getattr(decode, name)
-        monkeypatch.setattr(decode, name, lambda *a, _kernel=kernel, _name=name, **kw: calls.update([_name]) or _kernel(*a, **kw))
+    attention_rows, linear = decode.attention_rows, prefill.linear
+    monkeypatch.setattr(decode, "attention_rows", lambda *a, **kw: calls.update(["attention_rows"]) or attention_rows(*a, **kw))
+    monkeypatch.setattr(
+        prefill, "linear", lambda *a, **kw: calls.update(["head"] if kw.get("transposed") else []) or linear(*a, **kw)
+    )
     assert batched(gemma3, prompts, SAMPLED, MAX_TOKENS, 6) == want
-    assert calls["attention_rows"] and calls["rows_product"], calls
+    assert calls["attention_rows"] and calls["head"], calls
 
 
 def test_quantized_kv_batch_equals_alone(gemma4):

@@ -185,20 +185,6 @@ def test_attention_rows_equal_each_row_alone(B, Hkv, groups, D, Dv, bits, data, 
 
 
 @settings(max_examples=30, deadline=None)
-@given(rows=st.integers(1, decode.ROWS_PRODUCT_ROWS), K=st.integers(1, 300), N=st.integers(1, 5000),
-       isa=st.sampled_from(ISAS or ["portable"]), seed=st.integers(0, 2**16))  # fmt: skip
-def test_rows_product_matches_float64(rows, K, N, isa, seed):
-    """A few rows through a weight stored transposed (the output head's layout), tiles and the
-    narrower last tile included."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((rows, 1, K)).astype(np.float32)
-    wt = rng.standard_normal((K, N)).astype(np.float32)
-    got = np.array(decode.rows_product(mx.array(x), mx.array(wt), isa=isa))
-    want = x.astype(np.float64) @ wt.astype(np.float64)
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()) * np.sqrt(K))
-
-
-@settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 9), D=st.integers(1, 300), shift=st.sampled_from([0.0, 1.0]), residual=st.booleans(),
        isa=st.sampled_from(ISAS or ["portable"]), seed=st.integers(0, 2**16))  # fmt: skip
 def test_rms_norm_shift_and_residual_match_float64(rows, D, shift, residual, isa, seed):
@@ -259,8 +245,6 @@ QUANTIZED_ROWS = tuple(mx.quantize(mx.zeros((1, 1, 4, 64)), group_size=64, bits=
          r"row 1: planes \[1, 2, 5, 4\] of value head dim 4 do not fit row 0's 1 kv heads"),
         (lambda: decode.attention_rows(mx.zeros((1, 1, 1, 64)), [QUANTIZED_ROWS], [QUANTIZED_ROWS], [0], [4], 1.0, 4, 64),
          r"row 0: planes .* are not one head dim at 4 bits, group 64"),
-        (lambda: decode.rows_product(mx.zeros((33, 4)), mx.zeros((4, 8))), r"x must hold 1 to 32 rows, got \[33, 4\]"),
-        (lambda: decode.rows_product(mx.zeros((2, 4)), mx.zeros((5, 8))), r"must share K, got \[2, 4\] and \[5, 8\]"),
         (lambda: decode.attention_rows(mx.zeros((1, 1, 1, 64)), [QUANTIZED_ROWS], [QUANTIZED_ROWS], [0], [4], 1.0, 3, 64),
          r"bits must be 0 \(float planes\), 4 or 8, got 3"),
     ],

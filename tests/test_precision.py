@@ -206,6 +206,10 @@ def test_split_head_and_parallel_mlp_keep_the_numbers(checkpoints, monkeypatch):
     ids = [[2, 17, 99, 4, 56, 200, 31, 7]]
     prompt = [2, 17, 99, 4, 56, 200, 31]
     split_tokens = list(generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=24))
+    head = model.graph.head_module().weight
+    for rows in (1, 5, 8, 32):  # one row: the streams; 2-32 (a verify block, a batch): the few-row kernel
+        h = mx.random.normal((1, rows, head.shape[1]), key=mx.random.key(rows))
+        assert mx.abs(model.graph.head_product(h) - h @ head.T).max().item() < 1e-4
     long_ids = [list(range(3, 40))]
     split_prefill = model.logits(long_ids)  # 37 rows: the BLAS threads these itself, nothing split
     cache = model.make_cache()
@@ -213,7 +217,7 @@ def test_split_head_and_parallel_mlp_keep_the_numbers(checkpoints, monkeypatch):
     split_last = model.logits(ids[0][-1:], cache)
     with switches.override(GEMMA_ZOO_STREAMS="0"):
         model = models.load(str(checkpoints / "f32"), tokenizer=False)
-    assert len(model.graph.head_blocks.blocks) == 1  # stored transposed, not split
+    assert model.graph.head_blocks is not None and not model.graph.head_blocks.blocks  # stored transposed, not split
     assert not any("CPU streams" in note for note in model.device_notes)  # --verbose says what is in effect
     plain_tokens = list(generate_tokens(model.forward, prompt, model.make_cache(), max_tokens=24))
     cache = model.make_cache()

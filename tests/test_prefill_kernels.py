@@ -160,6 +160,8 @@ def test_cache_reads_take_the_kernels_and_the_switch_turns_them_off(monkeypatch)
          r"cos and sin must both be \[L, D/2\]"),
         (lambda: prefill.rotate(mx.zeros((1, 2, 5, 7)), mx.zeros((5, 3)), mx.zeros((5, 3))), "with an even D"),
         (lambda: prefill.linear(mx.zeros((2, 3)), mx.zeros((4, 5))), r"x \[..., K\] and w \[N, K\] do not match"),
+        (lambda: prefill.linear(mx.zeros((2, 3)), mx.zeros((4, 5)), transposed=True),
+         r"x \[..., K\] and w \[K, N\] do not match"),
         (lambda: prefill.attention(mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), mx.zeros((1, 1, 4, 8)), 1.0, None,
                                    isa="sve"), "isa='sve' is not available"),
     ],
@@ -180,6 +182,20 @@ def test_linear_matches_float64(M, K, N, lead, isa, seed):
     want = x.astype(np.float64) @ w.astype(np.float64).T
     # float32 summation of K products: within eps * K * max |x w| (the BLAS's bound too)
     assert got.shape == want.shape and np.abs(got - want).max() <= 1.2e-7 * K * np.abs(x).max() * np.abs(w).max() + 1e-30
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(M=st.integers(1, 33), K=st.integers(1, 90), N=st.integers(1, 9000), lead=st.sampled_from([(), (1,), (2, 1)]),
+       isa=st.sampled_from(ISAS or ["portable"]), seed=st.integers(0, 2**16))  # fmt: skip
+def test_linear_transposed_matches_float64(M, K, N, lead, isa, seed):
+    """The few-row kernel on a weight stored transposed ([K, N], the output head's layout): any rows
+    (groups of 4 or 8 a tile), inputs past its blocks of 8, columns past its tiles and 4096-column chunks."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((*lead, M, K)).astype(np.float32)
+    wt = rng.standard_normal((K, N)).astype(np.float32)
+    got = np.array(prefill.linear(mx.array(x), mx.array(wt), isa=isa, transposed=True))
+    want = x.astype(np.float64) @ wt.astype(np.float64)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1.2e-7 * K * np.abs(x).max() * np.abs(wt).max() + 1e-30
 
 
 def test_linear_of_strided_inputs_and_270m_shapes():

@@ -16,9 +16,7 @@ a residual, so that the pieces a layer repeats are one node each:
   place (MLX's ``quantized_matmul`` pair it replaces runs far below the bandwidth: docs/long_context.md);
 - ``attention_rows``: a ragged batch's decode read as one node: one query per batch row, each over
   a run of that row's own planes (float or quantized), every row's parts on the threads together
-  (the row-by-row reads it replaces cost a node and a thread hand-off each: docs/cache.md);
-- ``rows_product``: a batch's few rows through a weight stored transposed (the output head), the
-  weight streamed once (the BLAS packs all of it first for 4 to 16 rows: docs/speed.md).
+  (the row-by-row reads it replaces cost a node and a thread hand-off each: docs/cache.md).
 
 Float32 only, the same arithmetic as ``zoo_cpu.fast_math``'s chains up to summation order
 (``tests/test_decode_kernels.py``). ``fast_math`` and ``cache`` call them where ``zoo_cpu.backend``
@@ -70,12 +68,3 @@ def attention_rows(q: mx.array, keys: list, values: list, starts: list, sizes: l
     planes = [p for k, v in zip(keys, values) for p in (*k, *v)]
     return _module().decode_attention_rows(q, planes, [int(s) for s in starts], [int(s) for s in sizes], float(scale),
                                            bits or 0, group_size, isa or "")
-
-
-ROWS_PRODUCT_ROWS = 32  # the most rows rows_product takes (kRowsProductRows)
-
-
-def rows_product(x: mx.array, wt: mx.array, isa: str | None = None) -> mx.array:
-    """``x [..., K] @ wt [K, N]`` in float32 for at most ``ROWS_PRODUCT_ROWS`` rows of ``x``, ``wt``
-    row-contiguous (a ``[N, K]`` weight stored as its transpose)."""
-    return _module().rows_product(x, wt, isa or "")

@@ -79,10 +79,15 @@ def gelu_gated(up: mx.array, gate: mx.array | None, isa: str | None = None) -> m
     return _module().gelu_gate(up, gate, isa or "")
 
 
-def linear(x: mx.array, w: mx.array, isa: str | None = None) -> mx.array:
+def linear(x: mx.array, w: mx.array, isa: str | None = None, transposed: bool = False) -> mx.array:
     """``x @ w.T`` for float32 ``x [..., K]`` and ``w [N, K]``: ``x`` packed in panels of rows, the
-    weight's rows split over the threads (AVX-512 tiles of 12 weight rows by 32 activation rows)."""
-    return _module().prefill_linear(x, w, isa or "")
+    weight's rows split over the threads (AVX-512 tiles of 12 weight rows by 32 activation rows).
+
+    ``transposed``: ``x @ w`` for a weight stored transposed, ``w [K, N]`` (the output head's layout,
+    ``graphs.speedups``), through the few-row kernel: for a few rows of ``x`` (a speculative verify
+    block), each weight row streamed once with every row of ``x`` against it, where the BLAS's GEMM
+    takes several times one row's gemv (docs/speculative.md)."""
+    return _module().prefill_linear(x, w, isa or "", transposed)
 
 
 def takes_linear(x: mx.array, w: mx.array) -> bool:

@@ -23,8 +23,10 @@ NB_MODULE(_packed, m) {
   m.def("prefill_attention", &zoo::prefill_attention, "q"_a, "k"_a, "v"_a, "scale"_a, "mask"_a = nb::none(),
         "causal"_a = false, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "softmax(q k^T * scale + mask) v in float32, fused and split over the threads (a prefill chunk's queries)");
-  m.def("prefill_linear", &zoo::prefill_linear, "x"_a, "w"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
-        "x [..., K] @ w[N, K]^T in float32, split over the threads (an nn.Linear's product for many rows)");
+  m.def("prefill_linear", &zoo::prefill_linear, "x"_a, "w"_a, "isa"_a = "", "transposed"_a = false, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "x [..., K] @ w[N, K]^T in float32, split over the threads (an nn.Linear's product for many rows); "
+        "transposed: x @ w for a weight stored transposed, w [K, N], a few rows of x reading it once");
   m.def("rms_norm", &zoo::rms_norm, "x"_a, "weight"_a = nb::none(), "eps"_a = 1e-6f, "shift"_a = 0.0f,
         "residual"_a = nb::none(), "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "residual + x * (mean(x^2) + eps)^-1/2 * (weight + shift) over the last axis in float32, split over the threads");
@@ -46,8 +48,6 @@ NB_MODULE(_packed, m) {
   m.def("decode_attention_rows", &zoo::decode_attention_rows, "q"_a, "planes"_a, "starts"_a, "sizes"_a, "scale"_a,
         "bits"_a = 0, "group_size"_a = 64, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "one query per batch row over a run of that row's own key and value planes (float, or 4/8-bit quantized)");
-  m.def("rows_product", &zoo::rows_product, "x"_a, "wt"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
-        "x [..., K] @ wt [K, N] in float32 for a few rows of x (a weight stored transposed), split over the threads");
   m.def("available_isas", &zoo::available_isas, "instruction sets this CPU and build run, widest first");
   m.def("threads", &zoo::threads, "threads the products split their rows over");
   m.def("set_threads", &zoo::set_threads, "n"_a, "split products over at most n threads (1 to the CPUs available)");

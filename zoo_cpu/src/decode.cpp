@@ -186,20 +186,6 @@ mx::array decode_attention_rows(const mx::array& q, const std::vector<mx::array>
                    std::move(inputs));
 }
 
-mx::array rows_product(const mx::array& x, const mx::array& wt, const std::string& isa, mx::StreamOrDevice s) {
-  const char* op = "rows_product";
-  auto stream = cpu_only(op, s);
-  check_float32(op, {{"x", &x}, {"wt", &wt}});
-  if (x.ndim() < 1 || wt.ndim() != 2 || x.shape(-1) != wt.shape(0))
-    fail(op, "x [..., K] and wt [K, N] must share K, got " + shape_of(x) + " and " + shape_of(wt));
-  const int64_t rows = x.shape(-1) ? x.size() / x.shape(-1) : 0;
-  if (rows < 1 || rows > kRowsProductRows)
-    fail(op, "x must hold 1 to " + std::to_string(kRowsProductRows) + " rows, got " + shape_of(x));
-  auto shape = x.shape();
-  shape.back() = wt.shape(1);
-  return mx::array(std::move(shape), mx::float32, std::make_shared<RowsProduct>(stream, parse_isa(isa)), {x, wt});
-}
-
 // ------------------------------------------------------------------------------------ evaluation
 namespace {
 
@@ -408,66 +394,6 @@ PartFn quantized_part_fn(int bits, Isa isa) {
   return bits == 8 ? quantized_chunk<8> : quantized_chunk<4>;
 }
 
-
-// x [M, K] @ wt [K, N] over column tiles of kTile: for each block of up to kBlockRows rows, the
-// block's sums over the tile stay in registers while the tile's K weight rows stream past (from L2
-// after the first block), so the weight is read from memory once, where the BLAS first packs the
-// whole of it for 4 to 16 rows. Chunks of whole tiles go to the threads.
-constexpr int64_t kTile = 64, kBlockRows = 4, kTilesPerChunk = 64;
-
-struct RowsProductJob {
-  const float *x, *wt;
-  float* out;
-  int64_t M, K, N;
-};
-
-template <int R>
-[[gnu::always_inline]] inline void rows_product_block(const RowsProductJob& j, int64_t m0, int64_t n0) {
-  float acc[R][kTile] = {};
-  for (int64_t k = 0; k < j.K; ++k) {
-    const float* w = j.wt + k * j.N + n0;
-    for (int r = 0; r < R; ++r) {
-      const float xv = j.x[(m0 + r) * j.K + k];
-      for (int64_t c = 0; c < kTile; ++c) acc[r][c] += xv * w[c];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < kTile; ++c) j.out[(m0 + r) * j.N + n0 + c] = acc[r][c];
-}
-
-[[gnu::always_inline]] inline void rows_product_part(const RowsProductJob& j, int chunk) {
-  const int64_t first = chunk * kTilesPerChunk * kTile, last = std::min(j.N, first + kTilesPerChunk * kTile);
-  for (int64_t n0 = first; n0 < last; n0 += kTile) {
-    if (n0 + kTile > last) {  // a last tile narrower than kTile
-      for (int64_t m = 0; m < j.M; ++m)
-        for (int64_t c = n0; c < last; ++c) {
-          float sum = 0.0f;
-          for (int64_t k = 0; k < j.K; ++k) sum += j.x[m * j.K + k] * j.wt[k * j.N + c];
-          j.out[m * j.N + c] = sum;
-        }
-      continue;
-    }
-    int64_t m0 = 0;
-    for (; m0 + kBlockRows <= j.M; m0 += kBlockRows) rows_product_block<kBlockRows>(j, m0, n0);
-    switch (j.M - m0) {
-      case 3: rows_product_block<3>(j, m0, n0); break;
-      case 2: rows_product_block<2>(j, m0, n0); break;
-      case 1: rows_product_block<1>(j, m0, n0); break;
-      default: break;
-    }
-  }
-}
-
-void rows_product_chunk(void* ctx, int chunk) { rows_product_part(*static_cast<const RowsProductJob*>(ctx), chunk); }
-#ifdef ZOO_X86_KERNELS
-[[gnu::target("avx2,fma")]] void rows_product_chunk_avx2(void* ctx, int chunk) {
-  rows_product_part(*static_cast<const RowsProductJob*>(ctx), chunk);
-}
-[[gnu::target("avx512f,fma")]] void rows_product_chunk_avx512(void* ctx, int chunk) {
-  rows_product_part(*static_cast<const RowsProductJob*>(ctx), chunk);
-}
-#endif
-
 // A ragged batch's rows attended together: one job per row (B = 1, its q, planes and run), the
 // chunks of every row's parts numbered one after another and run on the threads at once.
 template <class Job>
@@ -615,28 +541,6 @@ void DecodeAttentionQuantized::eval_cpu(const std::vector<mx::array>& inputs, mx
 
 std::vector<mx::Shape> DecodeAttentionQuantized::output_shapes(const std::vector<mx::array>& inputs) {
   return {{inputs[0].shape(0), inputs[0].shape(1), 1, inputs[5].shape(3) * static_cast<int>(settings_[4])}};
-}
-
-void RowsProduct::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  auto& encoder = output_encoder(stream(), inputs, out);
-  encoder.dispatch([inputs, o = out.data<float>(), isa = isa_]() {
-    const auto &x = inputs[0], &wt = inputs[1];
-    std::vector<float> xc, wc;
-    RowsProductJob j{dense(x, xc), dense(wt, wc), o, static_cast<int64_t>(x.size() / x.shape(-1)), wt.shape(0), wt.shape(1)};
-    auto part = rows_product_chunk;
-#ifdef ZOO_X86_KERNELS
-    if (isa == Isa::avx512) part = rows_product_chunk_avx512;
-    else if (isa == Isa::avx2) part = rows_product_chunk_avx2;
-#endif
-    const int64_t per_chunk = kTilesPerChunk * kTile;
-    parallel_chunks(static_cast<int>((j.N + per_chunk - 1) / per_chunk), part, &j);
-  });
-}
-
-std::vector<mx::Shape> RowsProduct::output_shapes(const std::vector<mx::array>& inputs) {
-  auto shape = inputs[0].shape();
-  shape.back() = inputs[1].shape(1);
-  return {shape};
 }
 
 void DecodeAttentionRows::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {

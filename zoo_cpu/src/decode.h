@@ -15,9 +15,6 @@
 // - DecodeAttentionRows: a ragged batch's decode read in one node: one query per batch row, each
 //   over a run of that row's own planes (each conversation's cache is a buffer of its own length),
 //   float or quantized; every row's parts of its run on the threads together.
-// - RowsProduct: x [..., K] @ wt [K, N] for a few rows (a batch's decode step through the output
-//   head stored transposed): the weight streamed once, column tiles on the threads, each tile's
-//   sums for every row kept in L1 (the BLAS packs the whole weight for 4 to 16 rows).
 //
 // float32 in and out; the per-instruction-set kernels are prefill_impl.h's.
 #pragma once
@@ -67,11 +64,6 @@ mx::array decode_attention_rows(const mx::array& q, const std::vector<mx::array>
                                 const std::vector<int>& sizes, float scale, int bits, int group_size,
                                 const std::string& isa = "", mx::StreamOrDevice s = {});
 
-// x [..., K] @ wt [K, N] in float32 for at most kRowsProductRows rows of x, wt row-contiguous
-// (a [N, K] weight stored as its transpose). Output [..., N].
-constexpr int kRowsProductRows = 32;
-mx::array rows_product(const mx::array& x, const mx::array& wt, const std::string& isa = "", mx::StreamOrDevice s = {});
-
 class DecodeHeads : public mx::Primitive {
  public:
   // settings: heads, kv_heads, has_v, head_dim, q weighted, k weighted, shift, eps, v_norm
@@ -103,9 +95,6 @@ class DecodeAttentionQuantized : public PrefillPrimitive {  // settings: scale, 
   std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
   const char* name() const override { return "DecodeAttentionQuantized"; }
 };
-
-// output [..., N].
-ZOO_PREFILL_PRIMITIVE(RowsProduct, std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;)
 
 class DecodeAttentionRows : public mx::UnaryPrimitive {
  public:

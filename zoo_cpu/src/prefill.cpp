@@ -16,8 +16,8 @@
 namespace zoo {
 
 #define ZOO_KERNELS_OF(ns)                                                                                  \
-  Kernels{ns::pack_keys, ns::key_block, ns::attention_block, ns::gelu_gate, ns::linear_rows, ns::rms_norm_rows, \
-          ns::rotate_rows, ns::decode_attention_part}
+  Kernels{ns::pack_keys, ns::key_block, ns::attention_block, ns::gelu_gate, ns::linear_rows, ns::linear_few_transposed, \
+          ns::rms_norm_rows, ns::rotate_rows, ns::decode_attention_part}
 
 Kernels vector_kernels(Isa isa) {
 #if defined(__x86_64__) && defined(ZOO_X86_KERNELS)
@@ -230,6 +230,7 @@ struct LinearJob {
   float* y;
   int64_t M, K, N;
   int64_t per_pack;  // panels a packing chunk makes
+  bool transposed;   // w is [K, N]: the few-row kernel
 };
 
 void linear_pack_chunk(void* ctx, int chunk) {
@@ -245,7 +246,21 @@ void linear_chunk(void* ctx, int chunk) {
   j.kn.linear_rows(j.w, j.K, j.panels, j.M, n0, n1, j.y, j.N);
 }
 
+// A weight stored transposed (a few rows of x): chunks of kTransposedColumns output columns, each
+// wide enough for the kernel's row streams (the rows of the weight are far apart), no packing.
+constexpr int64_t kTransposedColumns = 4096;
+
+void transposed_chunk(void* ctx, int chunk) {
+  const auto& j = *static_cast<const LinearJob*>(ctx);
+  const int64_t n0 = chunk * kTransposedColumns, n1 = n0 + kTransposedColumns < j.N ? n0 + kTransposedColumns : j.N;
+  j.kn.linear_few_transposed(j.w, j.N, j.K, j.x, j.M, n0, n1, j.y, j.N);
+}
+
 void run_linear(LinearJob j) {
+  if (j.transposed) {
+    parallel_chunks(static_cast<int>((j.N + kTransposedColumns - 1) / kTransposedColumns), transposed_chunk, &j);
+    return;
+  }
   const int64_t nb = j.kn.key_block();
   const int64_t npanels = (j.M + nb - 1) / nb;
   Panels buffer;
@@ -307,15 +322,19 @@ mx::array gelu_gate(const mx::array& up, const std::optional<mx::array>& gate, c
   return mx::array(up.shape(), mx::float32, std::make_shared<GeluGate>(stream, parse_isa(isa)), {up, *gate});
 }
 
-mx::array prefill_linear(const mx::array& x, const mx::array& w, const std::string& isa, mx::StreamOrDevice s) {
+mx::array prefill_linear(const mx::array& x, const mx::array& w, const std::string& isa, bool transposed,
+                         mx::StreamOrDevice s) {
   const char* op = "prefill_linear";
   auto stream = cpu_only(op, s);
   check_float32(op, {{"x", &x}, {"w", &w}});
-  if (w.ndim() != 2 || x.ndim() < 1 || x.shape(-1) != w.shape(1))
-    fail(op, "x [..., K] and w [N, K] do not match: x " + shape_of(x) + ", w " + shape_of(w));
+  const int k_axis = transposed ? 0 : 1;
+  if (w.ndim() != 2 || x.ndim() < 1 || x.shape(-1) != w.shape(k_axis))
+    fail(op, std::string("x [..., K] and w ") + (transposed ? "[K, N]" : "[N, K]") + " do not match: x " + shape_of(x) +
+                 ", w " + shape_of(w));
   auto shape = x.shape();
-  shape.back() = w.shape(0);
-  return mx::array(std::move(shape), mx::float32, std::make_shared<PrefillLinear>(stream, parse_isa(isa)),
+  shape.back() = w.shape(1 - k_axis);
+  return mx::array(std::move(shape), mx::float32,
+                   std::make_shared<PrefillLinear>(stream, parse_isa(isa), std::vector<float>{transposed ? 1.0f : 0.0f}),
                    {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream)});
 }
 
@@ -409,10 +428,11 @@ void GeluGate::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
 void PrefillLinear::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
   auto& encoder = output_encoder(stream(), inputs, out);
   const auto& w = inputs[1];
-  const int64_t K = w.shape(1), N = w.shape(0);
+  const bool transposed = settings_[0] != 0.0f;
+  const int64_t K = w.shape(transposed ? 0 : 1), N = w.shape(transposed ? 1 : 0);
   const int64_t M = N > 0 ? static_cast<int64_t>(out.size()) / N : 0;
   encoder.dispatch([job = LinearJob{vector_kernels(isa_), inputs[0].data<float>(), w.data<float>(), nullptr,
-                                    out.data<float>(), M, K, N, 0}]() {
+                                    out.data<float>(), M, K, N, 0, transposed}]() {
     if (job.M == 0 || job.N == 0) return;
     if (job.K == 0) {
       for (int64_t i = 0; i < job.M * job.N; ++i) job.y[i] = 0.0f;
@@ -475,7 +495,7 @@ std::vector<mx::Shape> GeluGate::output_shapes(const std::vector<mx::array>& inp
 
 std::vector<mx::Shape> PrefillLinear::output_shapes(const std::vector<mx::array>& inputs) {
   auto shape = inputs[0].shape();
-  shape.back() = inputs[1].shape(0);
+  shape.back() = inputs[1].shape(settings_[0] != 0.0f ? 1 : 0);
   return {shape};
 }
 

@@ -56,6 +56,8 @@ struct AttentionArgs {
   void gelu_gate(const float* up, const float* gate, int64_t i0, int64_t i1, float* out);                    \
   void linear_rows(const float* w, int64_t K, const float* panels, int64_t M, int64_t n0, int64_t n1, float* y, \
                    int64_t ldy);                                                                              \
+  void linear_few_transposed(const float* wt, int64_t ldw, int64_t K, const float* x, int64_t M, int64_t n0,  \
+                             int64_t n1, float* y, int64_t ldy);                                              \
   void rms_norm_rows(const float* x, const float* w, int64_t D, float eps, int64_t r0, int64_t r1, float* y); \
   void rotate_rows(const float* x, const int64_t x_stride[3], int64_t H, int64_t L, int64_t D, const float* cos, \
                    const float* sin, int64_t cs_batch, int64_t r0, int64_t r1, float* out);                    \
@@ -81,6 +83,8 @@ struct Kernels {
   void (*attention_block)(const AttentionArgs&, int64_t, int64_t, int64_t, int64_t, const float*, float*);
   void (*gelu_gate)(const float*, const float*, int64_t, int64_t, float*);
   void (*linear_rows)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
+  // A few rows' product against a weight stored transposed, wt [K, N] with rows ldw apart, read once.
+  void (*linear_few_transposed)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
   void (*rms_norm_rows)(const float*, const float*, int64_t, float, int64_t, int64_t, float*);
   void (*rotate_rows)(const float*, const int64_t*, int64_t, int64_t, int64_t, const float*, const float*, int64_t,
                       int64_t, int64_t, float*);
@@ -140,8 +144,12 @@ mx::array prefill_attention(const mx::array& q, const mx::array& k, const mx::ar
                             const std::optional<mx::array>& mask, bool causal, const std::string& isa = "",
                             mx::StreamOrDevice s = {});
 
-// x [..., K] @ w[N, K]^T in float32 (an nn.Linear's product without its bias).
-mx::array prefill_linear(const mx::array& x, const mx::array& w, const std::string& isa = "", mx::StreamOrDevice s = {});
+// x [..., K] @ w[N, K]^T in float32 (an nn.Linear's product without its bias), through the packed GEMM;
+// with transposed, w is a weight's transposed storage [K, N] (the output head's) and the product
+// x @ w goes through the few-row kernel (meant for a few rows of x: each weight row is read once,
+// every row of x against it while it is in the core's caches).
+mx::array prefill_linear(const mx::array& x, const mx::array& w, const std::string& isa = "", bool transposed = false,
+                         mx::StreamOrDevice s = {});
 
 // residual + x * (mean(x^2) + eps)^-1/2 * (weight + shift) over the last axis, float32 (weight [D] or
 // none; shift 1 for Gemma 2/3's ``1 + weight``; residual of x's shape or none).
@@ -173,7 +181,6 @@ class PrefillPrimitive : public mx::UnaryPrimitive {
   std::vector<float> settings_;
 };
 
-// (decode.h declares its one-output primitives with it too)
 #define ZOO_PREFILL_PRIMITIVE(Name, extra)                                                     \
   class Name : public PrefillPrimitive {                                                        \
    public:                                                                                      \
@@ -186,12 +193,13 @@ class PrefillPrimitive : public mx::UnaryPrimitive {
 // settings: scale, causal (0/1), masked (0/1); output [B, Hq, L, Dv].
 ZOO_PREFILL_PRIMITIVE(PrefillAttention,
                       std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;)
-// output [..., N].
+// settings: transposed (0/1); output [..., N].
 ZOO_PREFILL_PRIMITIVE(PrefillLinear,
                       std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;)
 ZOO_PREFILL_PRIMITIVE(RmsNorm, )  // settings: eps, weighted (0/1), shift, with a residual (0/1)
 ZOO_PREFILL_PRIMITIVE(RopeRotate, )
 ZOO_PREFILL_PRIMITIVE(GeluGate,
                       std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;)
+#undef ZOO_PREFILL_PRIMITIVE
 
 }  // namespace zoo

@@ -80,14 +80,19 @@ inline vf gelu_gate(vf gate, vf up) {
   return splat(0.5f) * gate * (splat(1.0f) + tanh_rational(inner)) * up;
 }
 
-// tile[r, :] = a_r[0:kc] . panel[0:kc, :] for M rows of a (lda apart: query rows, weight rows) and
-// one panel of NB packed rows (kc x NB floats, see pack_keys); tile rows ldt apart.
+// tile[r, :] (+)= a_r[0:kc] . panel[0:kc, :] for M rows of a (lda apart: query rows, weight rows, rows
+// of x) and NB columns of kc panel rows ldb apart (NB: a packed panel, see pack_keys; a weight stored
+// transposed: its row stride); tile rows ldt apart, added to when accumulate.
 template <int M>
-inline void panel_tile(const float* a, int64_t lda, const float* panel, int64_t kc, float* tile, int64_t ldt) {
+inline void panel_tile(const float* a, int64_t lda, const float* panel, int64_t kc, float* tile, int64_t ldt,
+                       int64_t ldb = NB, bool accumulate = false) {
   vf acc[M][2];
-  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = vf{};
+  for (int r = 0; r < M; ++r) {
+    acc[r][0] = accumulate ? load(tile + r * ldt) : vf{};
+    acc[r][1] = accumulate ? load(tile + r * ldt + W) : vf{};
+  }
   for (int64_t d = 0; d < kc; ++d) {
-    const vf b0 = load(panel + d * NB), b1 = load(panel + d * NB + W);
+    const vf b0 = load(panel + d * ldb), b1 = load(panel + d * ldb + W);
     for (int r = 0; r < M; ++r) {
       const float x = a[r * lda + d];
       acc[r][0] += b0 * x;
@@ -178,6 +183,47 @@ void linear_rows(const float* w, int64_t K, const float* panels, int64_t M, int6
         }
       }
     }
+  }
+}
+
+// Rows of x a few-row tile holds: 2 G accumulators, two weight vectors and a broadcast fit the registers.
+constexpr int GF = W >= 16 ? 8 : 4;
+
+// y[:, n0:n1] = x wt[:, n0:n1] for the M rows of x [M, K] (contiguous) and a weight stored transposed,
+// wt [K, N] with rows ldw apart (the output head's layout): blocks of KC weight rows, each streamed
+// along [n0, n1) in tiles of NB columns (KC sequential streams, few enough for the prefetchers), every
+// row of x against a tile while it is in the core's caches, y accumulated across the blocks (it
+// stays in the core's caches for a chunk of columns); the weight read once.
+void linear_few_transposed(const float* wt, int64_t ldw, int64_t K, const float* x, int64_t M, int64_t n0, int64_t n1,
+                           float* y, int64_t ldy) {
+  constexpr int64_t KC = 8;
+  const int64_t full = n0 + (n1 - n0) / NB * NB;
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t kc = K - k0 < KC ? K - k0 : KC;
+    const bool accumulate = k0 > 0;
+    for (int64_t c0 = n0; c0 < full; c0 += NB) {
+      for (int64_t m0 = 0; m0 < M; m0 += GF) {
+        const float* w = wt + k0 * ldw + c0;
+        const float* xm = x + m0 * K + k0;
+        float* ym = y + m0 * ldy + c0;
+        switch (M - m0 < GF ? M - m0 : GF) {
+          case 1: panel_tile<1>(xm, K, w, kc, ym, ldy, ldw, accumulate); break;
+          case 2: panel_tile<2>(xm, K, w, kc, ym, ldy, ldw, accumulate); break;
+          case 3: panel_tile<3>(xm, K, w, kc, ym, ldy, ldw, accumulate); break;
+          case 4: panel_tile<4>(xm, K, w, kc, ym, ldy, ldw, accumulate); break;
+          case 5: panel_tile<GF < 5 ? GF : 5>(xm, K, w, kc, ym, ldy, ldw, accumulate); break;
+          case 6: panel_tile<GF < 6 ? GF : 6>(xm, K, w, kc, ym, ldy, ldw, accumulate); break;
+          case 7: panel_tile<GF < 7 ? GF : 7>(xm, K, w, kc, ym, ldy, ldw, accumulate); break;
+          default: panel_tile<GF>(xm, K, w, kc, ym, ldy, ldw, accumulate); break;
+        }
+      }
+    }
+    for (int64_t c = full; c < n1; ++c)  // columns past the last whole tile
+      for (int64_t m = 0; m < M; ++m) {
+        float s = accumulate ? y[m * ldy + c] : 0.0f;
+        for (int64_t k = 0; k < kc; ++k) s += x[m * K + k0 + k] * wt[(k0 + k) * ldw + c];
+        y[m * ldy + c] = s;
+      }
   }
 }
 
