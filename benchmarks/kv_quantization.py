@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import zoo_cpu  # noqa: F401  (the same fast BLAS for both stacks, loaded before MLX in each child)
 from benchmarks import smoke
 
 ROOT = Path(__file__).resolve().parent.parent
