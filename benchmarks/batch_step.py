@@ -2,6 +2,7 @@
 (each row's cache write and read) against the whole step (projections, MLPs and head shared by all rows).
 
     python -m benchmarks.batch_step [--rows 16 --prompt 128 --steps 20]
+    python -m benchmarks.batch_step --smoke   # a tiny random Gemma 3, 3 rows, one step (benchmarks.smoke)
 
 ``--rows`` conversations are prefilled alone (BOS + random ids, lengths staggered by 8 as in
 ``benchmarks.batching``), then, interleaved ``--steps`` times: one decode step of all rows as
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 
+from benchmarks import smoke
 from benchmarks.batching import prompts
 from benchmarks.speed import cell, gemma3_folder
 
@@ -26,7 +29,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
     args = parser.parse_args()
+    if args.smoke:
+        args.rows, args.prompt, args.steps = 3, 16, 1
 
     import models  # first: the fast BLAS loads before MLX (zoo_cpu.blas)
 
@@ -35,7 +41,7 @@ def main() -> None:
     from models.generation.generate import prefill
     from zoo_cpu import backend
 
-    model = models.load(str(gemma3_folder()), tokenizer=False)
+    model = models.load(str(smoke.tiny_checkpoint("gemma3") if args.smoke else gemma3_folder()), tokenizer=False)
     rows = []
     for ids in prompts(args.rows, args.prompt):
         cache = model.make_cache()
@@ -76,6 +82,12 @@ def main() -> None:
         builds.append(b * 1e3)
         attention.append(reads() * 1e3)
         trim()
+    if args.smoke:
+        record = smoke.Record("batch_step")
+        record.row("ours", step_ms=statistics.median(steps), building_ms=statistics.median(builds),
+                   reads_ms=statistics.median(attention))  # fmt: skip
+        record.finish()
+        return
     print(f"{B} rows, prompts ~{args.prompt} tokens staggered by 8, {args.steps} interleaved steps; decode kernels "
           f"{'on' if backend.active().decode else 'off'}; load average {os.getloadavg()[0]:.2f} at the end")  # fmt: skip
     print(f"| step ms | graph building ms (in the step) | cache reads alone ms | reads / step |")

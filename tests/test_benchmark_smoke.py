@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # 2-core VM at load average 4-15, other jobs running); docs/benchmarks.md, "Test suite time".
 BENCHMARKS = {
     "batching": [],  # 3 processes: each stack at B=3, the stored system prompt
+    "batch_step": [],  # one process: 3 rows of a tiny Gemma 3, one step
     "compiled_step": [],  # 12 s
     "gemma4_text_vs_mlx_lm": [],  # 19 s
     "gemma4_vision_vs_mlx_vlm": [],  # a tiny-sized checkpoint of its own: both stacks load 0.15 GB side by side
