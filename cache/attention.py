@@ -101,12 +101,10 @@ def attend_query_rows(q: mx.array, keys: list, values: list, starts: list, sizes
     ``mx.quantize``'s three at ``bits``), unmasked and read in place, in one call of the decode
     kernel's rows form (``zoo_cpu.decode.attention_rows``); None where the backend does not run it
     or it does not take the read (then the caller attends each row its own way)."""
-    if _decode_rows(q, None) is False:
+    if _decode_rows(q, None) is False or (bits is not None and bits not in decode.QUANTIZED_BITS):
         return None
-    if bits is None:
-        if any(p.dtype != mx.float32 for planes in (*keys, *values) for p in planes):
-            return None
-    elif bits not in decode.QUANTIZED_BITS or any(p.dtype != mx.float32 for planes in (*keys, *values) for p in planes[1:]):
+    floats = (planes if bits is None else planes[1:] for planes in (*keys, *values))  # quantized: scales, biases
+    if any(p.dtype != mx.float32 for planes in floats for p in planes):
         return None
     return decode.attention_rows(q, keys, values, starts, sizes, scale, bits, group_size)
 

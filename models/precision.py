@@ -251,8 +251,7 @@ def fuse_products(graph: nn.Module, dense: bool = False) -> str | None:
     for _, module in graph.named_modules():
         if isinstance(module, (SelfAttention, GeGLUMLP)):
             parts = module.fusable()
-            kind_fuses = dense or isinstance(parts[0], packed.PackedLinear) if parts else False
-            if len(parts) > 1 and kind_fuses and not FusedProducts.mismatch(parts):
+            if len(parts) > 1 and (dense or isinstance(parts[0], packed.PackedLinear)) and not FusedProducts.mismatch(parts):
                 module.fuse()
                 done += 1
     return f"{done} fused products (attention q/k/v, MLP up/gate)" if done else None

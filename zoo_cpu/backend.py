@@ -5,9 +5,9 @@
 - ``fast_math``: ``fast_math``'s vectorised exp (softmax), tanh (GELU, softcap), RoPE by tables and
   attention in query blocks (MLX's CPU ``exp``/``tanh``/``cos`` are scalar loops);
 - ``prefill``: the extension's float32 kernels for a prompt's attention, projections, GELU gate,
-  RoPE and RMSNorm on both cores;
+  RoPE and RMSNorm on both cores, and the output head's product for 2 to 32 rows;
 - ``decode``: the extension's decode-step kernels (norms, attention heads, single-query attention
-  and a batch's rows of them, GELU gate as one graph node each; a batch's rows through the head).
+  and a batch's rows of them, GELU gate as one graph node each).
 
 ``for_cpu()`` is the CPU plan's choice (each on unless its ``GEMMA_ZOO_*`` switch says off, the
 extension's only where it runs); ``MLX`` (all off) is the accelerator plan's. ``models.load``'s
@@ -57,13 +57,16 @@ class Backend:
             f"where the prefill kernels do not take it (unmasked reads: per kv head) ({FAST_MATH}=0: MLX's ops)"
         ]
         if self.prefill:
-            lines.append(f"prefill kernels on both cores: attention, GeGLU gate, RoPE, RMSNorm, projections ({PREFILL}=0: MLX's ops)")
+            lines.append(
+                "prefill kernels on both cores: attention, GeGLU gate, RoPE, RMSNorm, projections, the output head "
+                f"for 2-32 rows ({PREFILL}=0: MLX's ops)"
+            )
         elif not extension.available():
             lines.append(f"prefill and decode kernels off: {extension.describe()}")
         if self.decode:
             lines.append(
                 "decode kernels: RMSNorm (+ residual), attention heads, single-query attention (a batch's rows in one "
-                f"call), GeGLU gate one graph node each; a batch's 4-32 rows through the output head ({DECODE}=0: MLX's ops)"
+                f"call), GeGLU gate one graph node each ({DECODE}=0: MLX's ops)"
             )
         return lines
 
