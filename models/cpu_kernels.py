@@ -2,7 +2,7 @@
 
 ``apply(graph, chosen)``: where the chosen backend runs the prefill kernels, a loaded graph's
 float32 ``nn.Linear`` layers (not the output head) become ``zoo_cpu.prefill.Linear``: the same
-parameters, whose products of many rows (a prefill's projections) take the extension's GEMM
+parameters, whose products of several rows (a prefill, a batch's decode step) take the extension's GEMM
 (``models.precision.prepare`` calls it). Elsewhere (macOS, MLX's GPU build, no compiler at install
 time, the switches off) the graph is left as built.
 """
@@ -30,4 +30,4 @@ def apply(graph: nn.Module, chosen: Backend) -> list[str]:
         if type(m) is nn.Linear and id(m) not in heads and m.weight.dtype == mx.float32 and m.weight.ndim == 2
     ]  # fmt: skip
     graph.update_modules(tree_unflatten([(path, prefill.Linear.of(m)) for path, m in layers]))
-    return [f"prefill GEMM: {len(layers)} projections of more than {prefill.LINEAR_MIN_ROWS} rows"]
+    return [f"prefill GEMM: {len(layers)} projections of {prefill.LINEAR_MIN_ROWS} rows or more"]

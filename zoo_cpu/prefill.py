@@ -30,8 +30,9 @@ import mlx.nn as nn
 from . import backend
 from .extension import module as _module
 
-# Products of more rows than this take the GEMM; fewer (decode) stay MLX's (the BLAS's gemv).
-LINEAR_MIN_ROWS = 8
+# Products of this many rows or more take the GEMM (from 2 rows it beats the BLAS: a batch's decode
+# step, a verify block; docs/speed.md); one row (decode) stays MLX's (the BLAS's gemv).
+LINEAR_MIN_ROWS = 2
 
 
 def takes(q: mx.array, keys: mx.array, values: mx.array, mask) -> bool:
@@ -81,7 +82,8 @@ def gelu_gated(up: mx.array, gate: mx.array | None, isa: str | None = None) -> m
 
 def linear(x: mx.array, w: mx.array, isa: str | None = None, transposed: bool = False) -> mx.array:
     """``x @ w.T`` for float32 ``x [..., K]`` and ``w [N, K]``: ``x`` packed in panels of rows, the
-    weight's rows split over the threads (AVX-512 tiles of 12 weight rows by 32 activation rows).
+    weight's rows split over the threads (AVX-512 tiles of 12 weight rows by 32 activation rows, by 16
+    where a panel holds 16 rows or fewer: a batch's decode step does half the work).
 
     ``transposed``: ``x @ w`` for a weight stored transposed, ``w [K, N]`` (the output head's layout,
     ``graphs.speedups``), through the few-row kernel: for a few rows of ``x`` (a speculative verify
@@ -91,17 +93,17 @@ def linear(x: mx.array, w: mx.array, isa: str | None = None, transposed: bool = 
 
 
 def takes_linear(x: mx.array, w: mx.array) -> bool:
-    """Whether ``linear`` takes ``x @ w.T`` now: float32 operands, more than ``LINEAR_MIN_ROWS`` rows,
+    """Whether ``linear`` takes ``x @ w.T`` now: float32 operands, at least ``LINEAR_MIN_ROWS`` rows,
     and a backend that runs the prefill kernels."""
     return (
-        x.size > LINEAR_MIN_ROWS * x.shape[-1] and x.dtype == mx.float32 and w.dtype == mx.float32
+        x.size >= LINEAR_MIN_ROWS * x.shape[-1] and x.dtype == mx.float32 and w.dtype == mx.float32
         and backend.active().prefill
     )  # fmt: skip
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same saved form) whose float32 products of more than
-    ``LINEAR_MIN_ROWS`` rows take ``linear`` while the backend runs the prefill kernels; decode rows stay MLX's."""
+    """``nn.Linear`` (same parameters, same saved form) whose float32 products of ``LINEAR_MIN_ROWS``
+    rows or more take ``linear`` while the backend runs the prefill kernels; a decode row stays MLX's."""
 
     @classmethod
     def of(cls, module: nn.Linear) -> "Linear":

@@ -144,16 +144,29 @@ inline void values_rows(const AttentionArgs& a, const float* p, int64_t ldp, con
     }
 }
 
-// y[m, n0 + r] (+)= tile[r, m - m0] for the tile's rows r < rows and activation rows m < M.
-inline void write_tile(const float* tile, int rows, int64_t m0, int64_t M, int64_t n0, float* y, int64_t ldy,
-                       bool accumulate) {
-  const int64_t ms = M - m0 < NB ? M - m0 : NB;
+// tile[r, 0:W] = a_r[0:kc] . panel[0:kc, 0:W]: panel_tile on a panel's first vector of columns
+// only, for a panel that holds at most W activation rows (a batch's decode step: half the work).
+template <int M>
+inline void half_panel_tile(const float* a, int64_t lda, const float* panel, int64_t kc, float* tile) {
+  vf acc[M];
+  for (int r = 0; r < M; ++r) acc[r] = vf{};
+  for (int64_t d = 0; d < kc; ++d) {
+    const vf b = load(panel + d * NB);
+    for (int r = 0; r < M; ++r) acc[r] += b * a[r * lda + d];
+  }
+  for (int r = 0; r < M; ++r) store(tile + r * W, acc[r]);
+}
+
+// y[m, n0 + r] (+)= tile[r, m - m0] for the tile's rows r < rows (ldt apart) and activation rows m < M.
+inline void write_tile(const float* tile, int64_t ldt, int rows, int64_t m0, int64_t M, int64_t n0, float* y,
+                       int64_t ldy, bool accumulate) {
+  const int64_t ms = M - m0 < ldt ? M - m0 : ldt;
   for (int64_t c = 0; c < ms; ++c) {
     float* out = y + (m0 + c) * ldy + n0;
     if (accumulate)
-      for (int r = 0; r < rows; ++r) out[r] += tile[r * NB + c];
+      for (int r = 0; r < rows; ++r) out[r] += tile[r * ldt + c];
     else
-      for (int r = 0; r < rows; ++r) out[r] = tile[r * NB + c];
+      for (int r = 0; r < rows; ++r) out[r] = tile[r * ldt + c];
   }
 }
 
@@ -174,12 +187,17 @@ void linear_rows(const float* w, int64_t K, const float* panels, int64_t M, int6
         const int rows = static_cast<int>(n1 - n < MRL ? n1 - n : MRL);
         for (int64_t p = p0; p < p1; ++p) {
           const float* panel = panels + p * K * NB + k0 * NB;
-          if (rows == MRL) {
+          const int64_t ldt = M - p * NB <= W ? W : NB;  // W: the panel's second vector holds no rows
+          if (ldt == W && rows == MRL) {
+            half_panel_tile<MRL>(w + n * K + k0, K, panel, kc, tile);
+          } else if (ldt == W) {
+            for (int r = 0; r < rows; ++r) half_panel_tile<1>(w + (n + r) * K + k0, K, panel, kc, tile + r * W);
+          } else if (rows == MRL) {
             panel_tile<MRL>(w + n * K + k0, K, panel, kc, tile, NB);
           } else {
             for (int r = 0; r < rows; ++r) panel_tile<1>(w + (n + r) * K + k0, K, panel, kc, tile + r * NB, NB);
           }
-          write_tile(tile, rows, p * NB, M, n, y, ldy, k0 > 0);
+          write_tile(tile, ldt, rows, p * NB, M, n, y, ldy, k0 > 0);
         }
       }
     }
@@ -191,17 +209,21 @@ constexpr int GF = W >= 16 ? 8 : 4;
 
 // y[:, n0:n1] = x wt[:, n0:n1] for the M rows of x [M, K] (contiguous) and a weight stored transposed,
 // wt [K, N] with rows ldw apart (the output head's layout): blocks of KC weight rows, each streamed
-// along [n0, n1) in tiles of NB columns (KC sequential streams, few enough for the prefetchers), every
-// row of x against a tile while it is in the core's caches, y accumulated across the blocks (it
-// stays in the core's caches for a chunk of columns); the weight read once.
+// along [n0, n1) in tiles of NB columns, every row of x against a tile while it is in the core's
+// caches, y accumulated across the blocks (it stays in the core's caches for a chunk of columns); the
+// weight read once. KC is 8 sequential streams (few enough for the prefetchers) up to 4 rows; above,
+// 24, which adds y's reloads a third as often, each tile fetched two ahead by hand (docs/speed.md).
 void linear_few_transposed(const float* wt, int64_t ldw, int64_t K, const float* x, int64_t M, int64_t n0, int64_t n1,
                            float* y, int64_t ldy) {
-  constexpr int64_t KC = 8;
+  const int64_t KC = M > 4 ? 24 : 8;
   const int64_t full = n0 + (n1 - n0) / NB * NB;
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = K - k0 < KC ? K - k0 : KC;
     const bool accumulate = k0 > 0;
     for (int64_t c0 = n0; c0 < full; c0 += NB) {
+      if (KC > 8)
+        for (int64_t k = 0; k < kc; ++k)
+          for (int64_t line = 0; line < NB; line += 16) __builtin_prefetch(wt + (k0 + k) * ldw + c0 + 2 * NB + line);
       for (int64_t m0 = 0; m0 < M; m0 += GF) {
         const float* w = wt + k0 * ldw + c0;
         const float* xm = x + m0 * K + k0;
