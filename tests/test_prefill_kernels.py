@@ -96,6 +96,29 @@ def test_attention_of_a_270m_chunk_and_strided_inputs(isa):
         assert np.abs(got - want).max() <= bound(q, k, v, 0.0625)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("mask", [None, "causal", "2d", "4d", "late"])
+def test_attention_over_many_key_blocks_matches_float64(isa, mask):
+    """Runs longer than a block of query rows takes at once (512 keys on AVX-512, 256 on AVX2, 128
+    portable: the online softmax rescales the earlier blocks' sums and outputs), with odd head dims,
+    GQA and masks whose rows see no key in whole blocks ("late": the first 700 keys hidden from
+    every row, so a row's maximum is -inf until a later block)."""
+    rng = np.random.default_rng(11)
+    B, Hkv, Hq, L, T, D, Dv = 2, 1, 3, 45, 1337, 72, 40
+    q, k, v = arrays(rng, B, Hq, Hkv, L, T, D, Dv)
+    if mask in (None, "causal"):
+        want_mask = given_mask = mask
+    else:
+        m = rng.random((L, T) if mask == "2d" else (B, 1, L, T)) < 0.3
+        if mask == "late":
+            m[..., :700] = False
+        m[..., -1] = True  # every query sees a key
+        want_mask, given_mask = m, mx.array(m)
+    got = np.array(prefill.attention(mx.array(q), mx.array(k), mx.array(v), 0.2, given_mask, isa=isa))
+    want = reference(q, k, v, 0.2, want_mask)
+    assert np.abs(got - want).max() <= bound(q, k, v, 0.2)
+
+
 def test_a_row_with_no_visible_key_is_nan_as_in_mlx():
     q, k, v = arrays(np.random.default_rng(1), 1, 1, 1, 3, 5, 8, 8)
     mask = np.ones((3, 5), bool)

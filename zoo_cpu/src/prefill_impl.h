@@ -111,12 +111,15 @@ inline void scores_tile(const float* q, int64_t ldq, const float* panels, int64_
   for (int64_t jb = 0; jb < jb1; ++jb) panel_tile<M>(q, ldq, panels + jb * D * NB, D, s + jb * NB, lds);
 }
 
-// out[r, c0 : c0 + NB] = sum_j P[r, j] v[j, c0 : c0 + NB] over keys [0, n), for M rows.
+// out[r, c0 : c0 + NB] (+)= sum_j P[r, j] v[j, c0 : c0 + NB] over keys [0, n), for M rows.
 template <int M>
 inline void values_tile(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t n, int64_t c0,
-                        float* out, int64_t ldo) {
+                        float* out, int64_t ldo, bool accumulate) {
   vf acc[M][2];
-  for (int r = 0; r < M; ++r) acc[r][0] = acc[r][1] = vf{};
+  for (int r = 0; r < M; ++r) {
+    acc[r][0] = accumulate ? load(out + r * ldo + c0) : vf{};
+    acc[r][1] = accumulate ? load(out + r * ldo + c0 + W) : vf{};
+  }
   for (int64_t j = 0; j < n; ++j) {
     const vf b0 = load(v + j * ldv + c0), b1 = load(v + j * ldv + c0 + W);
     for (int r = 0; r < M; ++r) {
@@ -131,14 +134,15 @@ inline void values_tile(const float* p, int64_t ldp, const float* v, int64_t ldv
   }
 }
 
-// out[r, :] = sum_j P[r, j] v[j, :] over keys [0, n) for M rows (P rows ldp apart, out rows Dv apart).
+// out[r, :] (+)= sum_j P[r, j] v[j, :] over keys [0, n) for M rows (P rows ldp apart, out rows Dv apart).
 template <int M>
-inline void values_rows(const AttentionArgs& a, const float* p, int64_t ldp, const float* v, int64_t n, float* out) {
+inline void values_rows(const AttentionArgs& a, const float* p, int64_t ldp, const float* v, int64_t n, float* out,
+                        bool accumulate) {
   const int64_t full = a.Dv / NB * NB;
-  for (int64_t c0 = 0; c0 < full; c0 += NB) values_tile<M>(p, ldp, v, a.v_stride[2], n, c0, out, a.Dv);
+  for (int64_t c0 = 0; c0 < full; c0 += NB) values_tile<M>(p, ldp, v, a.v_stride[2], n, c0, out, a.Dv, accumulate);
   for (int64_t c = full; c < a.Dv; ++c)  // columns past the last whole tile
     for (int r = 0; r < M; ++r) {
-      float acc = 0.0f;
+      float acc = accumulate ? out[r * a.Dv + c] : 0.0f;
       for (int64_t j = 0; j < n; ++j) acc += p[r * ldp + j] * v[j * a.v_stride[2] + c];
       out[r * a.Dv + c] = acc;
     }
@@ -267,8 +271,15 @@ void pack_keys(const float* k, int64_t k_row_stride, int64_t T, int64_t D, int64
 
 int key_block() { return NB; }
 
-// One block of query rows [i0, i1) of one (batch, query head): scores against the packed keys,
-// the masked softmax in float32, and the product with the values, written to out rows.
+// Key panels a block of query rows takes at a time: their packed keys and values and the rows'
+// scores stay in the core's L2 while the block reads them (a whole long run does not: 32k keys of
+// 256 floats are 32 MB each for keys and values, and 4 MB of scores a block).
+constexpr int64_t kKeyPanels = 512 / NB;
+
+// One block of query rows [i0, i1) of one (batch, query head): over the keys it may see, kKeyPanels
+// panels at a time, scores against the packed keys, the masked scores' running maximum and sum
+// (an online softmax in float32: earlier blocks' sums and outputs rescaled by e^(old max - new
+// max)), and the product with the values added to the out rows, which the sums divide at the end.
 void attention_block(const AttentionArgs& a, int64_t b, int64_t h, int64_t i0, int64_t i1, const float* panels,
                      float* s) {
   const int64_t hk = h / (a.Hq / a.Hkv);
@@ -277,57 +288,76 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t h, int64_t i0, i
   // aligned with the last key), other reads all T keys.
   const int64_t seen = a.causal ? imin(a.T, a.T - a.L + i1) : a.T;
   const int64_t jb1 = (seen + NB - 1) / NB;
-  const int64_t lds = jb1 * NB;
+  const int64_t lds = imin(jb1, kKeyPanels) * NB;
   const float* q = a.q + b * a.q_stride[0] + h * a.q_stride[1] + i0 * a.q_stride[2];
   const float* v = a.v + b * a.v_stride[0] + hk * a.v_stride[1];
   float* out = a.out + ((b * a.Hq + h) * a.L + i0) * a.Dv;
+  const float ninf = -__builtin_inff();
+  float top[kBlockRows], sum[kBlockRows];
+  for (int64_t rr = 0; rr < rows; ++rr) top[rr] = ninf, sum[rr] = 0.0f;
 
-  // Scores: MR rows a tile, then the remainder.
-  int64_t r = 0;
-  for (; r + MR <= rows; r += MR) scores_tile<MR>(q + r * a.q_stride[2], a.q_stride[2], panels, a.D, jb1, s + r * lds, lds);
-  for (; r < rows; ++r) scores_tile<1>(q + r * a.q_stride[2], a.q_stride[2], panels, a.D, jb1, s + r * lds, lds);
+  for (int64_t jb0 = 0; jb0 < jb1; jb0 += kKeyPanels) {
+    const int64_t nb = imin(jb1 - jb0, kKeyPanels), k0 = jb0 * NB, k1 = imin(seen, k0 + nb * NB);
+    const int64_t width = nb * NB;
+    const float* kp = panels + jb0 * a.D * NB;
+    // Scores: MR rows a tile, then the remainder.
+    int64_t r = 0;
+    for (; r + MR <= rows; r += MR) scores_tile<MR>(q + r * a.q_stride[2], a.q_stride[2], kp, a.D, nb, s + r * lds, lds);
+    for (; r < rows; ++r) scores_tile<1>(q + r * a.q_stride[2], a.q_stride[2], kp, a.D, nb, s + r * lds, lds);
 
-  // Softmax rows: scale, mask (-inf), max, e^(x - max); the row sums divide the outputs below.
-  float inv_sum[kBlockRows];
-  for (int64_t rr = 0; rr < rows; ++rr) {
-    float* row = s + rr * lds;
-    const int64_t i = i0 + rr;
-    const int64_t visible = a.causal ? imin(a.T, a.T - a.L + i + 1) : a.T;
-    const vf scale = splat(a.scale);
-    const float ninf = -__builtin_inff();
-    if (a.mask) {
-      const uint8_t* m = a.mask + b * a.mask_stride[0] + i * a.mask_stride[1];
-      for (int64_t j = 0; j < visible; ++j)
-        row[j] = m[j * a.mask_stride[2]] ? row[j] * a.scale : ninf;
-      for (int64_t j = visible; j < lds; ++j) row[j] = ninf;
-    } else {
-      const int64_t full = visible / W * W;
-      for (int64_t j = 0; j < full; j += W) store(row + j, load(row + j) * scale);
-      for (int64_t j = full; j < visible; ++j) row[j] *= a.scale;
-      for (int64_t j = visible; j < lds; ++j) row[j] = ninf;
+    // Softmax rows over this block's keys: scale, mask (-inf), the new maximum, e^(x - max).
+    for (int64_t rr = 0; rr < rows; ++rr) {
+      float* row = s + rr * lds;
+      const int64_t i = i0 + rr;
+      const int64_t visible = imin(a.causal ? imin(a.T, a.T - a.L + i + 1) : a.T, k1) - k0;  // may be <= 0
+      const int64_t shown = visible > 0 ? visible : 0;
+      const vf scale = splat(a.scale);
+      if (a.mask) {
+        const uint8_t* m = a.mask + b * a.mask_stride[0] + i * a.mask_stride[1] + k0 * a.mask_stride[2];
+        for (int64_t j = 0; j < shown; ++j) row[j] = m[j * a.mask_stride[2]] ? row[j] * a.scale : ninf;
+      } else {
+        const int64_t full = shown / W * W;
+        for (int64_t j = 0; j < full; j += W) store(row + j, load(row + j) * scale);
+        for (int64_t j = full; j < shown; ++j) row[j] *= a.scale;
+      }
+      for (int64_t j = shown; j < width; ++j) row[j] = ninf;
+      vf mx = splat(top[rr]);
+      for (int64_t j = 0; j < width; j += W) mx = vmax(mx, load(row + j));
+      const float new_top = hmax(mx);
+      // e^(old - new) for the earlier blocks (0 while every score so far was masked: -inf - -inf
+      // gives NaN, which exp_nonpositive maps to 0, as it does e^-inf).
+      const float shrink = exp_nonpositive(splat(top[rr] - new_top))[0];
+      const vf t = splat(new_top);
+      vf add = vf{};
+      for (int64_t j = 0; j < width; j += W) {
+        const vf e = exp_nonpositive(load(row + j) - t);
+        store(row + j, e);
+        add += e;
+      }
+      if (jb0 > 0) {
+        float* o = out + rr * a.Dv;
+        const vf f = splat(shrink);
+        const int64_t full = a.Dv / W * W;
+        for (int64_t c = 0; c < full; c += W) store(o + c, load(o + c) * f);
+        for (int64_t c = full; c < a.Dv; ++c) o[c] *= shrink;
+      }
+      sum[rr] = sum[rr] * shrink + hsum(add);
+      top[rr] = new_top;
     }
-    vf mx = splat(ninf);
-    for (int64_t j = 0; j < lds; j += W) mx = vmax(mx, load(row + j));
-    const vf top = splat(hmax(mx));
-    vf sum = vf{};
-    for (int64_t j = 0; j < lds; j += W) {
-      const vf e = exp_nonpositive(load(row + j) - top);
-      store(row + j, e);
-      sum += e;
-    }
-    inv_sum[rr] = 1.0f / hsum(sum);
+
+    // Values: out (+)= P v over the block's keys.
+    const float* vb = v + k0 * a.v_stride[2];
+    r = 0;
+    for (; r + MR <= rows; r += MR) values_rows<MR>(a, s + r * lds, lds, vb, k1 - k0, out + r * a.Dv, jb0 > 0);
+    for (; r < rows; ++r) values_rows<1>(a, s + r * lds, lds, vb, k1 - k0, out + r * a.Dv, jb0 > 0);
   }
-
-  // Values: out = P v over the keys the block sees, then each row over its sum.
-  r = 0;
-  for (; r + MR <= rows; r += MR) values_rows<MR>(a, s + r * lds, lds, v, seen, out + r * a.Dv);
-  for (; r < rows; ++r) values_rows<1>(a, s + r * lds, lds, v, seen, out + r * a.Dv);
-  for (int64_t rr = 0; rr < rows; ++rr) {
+  for (int64_t rr = 0; rr < rows; ++rr) {  // each row over its sum (0 when no key was visible: NaN)
     float* o = out + rr * a.Dv;
-    const vf f = splat(inv_sum[rr]);
+    const float inv = 1.0f / sum[rr];
+    const vf f = splat(inv);
     const int64_t full = a.Dv / W * W;
     for (int64_t c = 0; c < full; c += W) store(o + c, load(o + c) * f);
-    for (int64_t c = full; c < a.Dv; ++c) o[c] *= inv_sum[rr];
+    for (int64_t c = full; c < a.Dv; ++c) o[c] *= inv;
   }
 }
 
