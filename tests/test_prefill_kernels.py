@@ -99,10 +99,11 @@ def test_attention_of_a_270m_chunk_and_strided_inputs(isa):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("mask", [None, "causal", "2d", "4d", "late"])
 def test_attention_over_many_key_blocks_matches_float64(isa, mask):
-    """Runs longer than a block of query rows takes at once (512 keys on AVX-512, 256 on AVX2, 128
-    portable: the online softmax rescales the earlier blocks' sums and outputs), with odd head dims,
-    GQA and masks whose rows see no key in whole blocks ("late": the first 700 keys hidden from
-    every row, so a row's maximum is -inf until a later block)."""
+    """Runs longer than a block of query rows takes at once (256 keys: the online softmax rescales
+    the earlier blocks' sums and outputs), with odd head dims, 3 query heads on a kv head (attended
+    by one job: 2 batch rows x 2 row blocks are jobs enough), and masks whose rows see no key in
+    whole blocks ("late": the first 700 keys hidden from every row, so a row's maximum is -inf
+    until a later block)."""
     rng = np.random.default_rng(11)
     B, Hkv, Hq, L, T, D, Dv = 2, 1, 3, 45, 1337, 72, 40
     q, k, v = arrays(rng, B, Hq, Hkv, L, T, D, Dv)

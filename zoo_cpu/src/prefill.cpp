@@ -113,22 +113,33 @@ struct AttendJob {
   const float* panels;
   int64_t head_floats;  // floats of one (batch, kv head)'s panels
   int64_t blocks;       // row blocks of one (batch, query head)
+  int64_t group;        // query heads a job attends (of one kv head)
   int64_t scratch_floats;
 };
 
 // Chunk c: the heaviest blocks (a causal chunk's last rows see the most keys) go first, every
-// (batch, head) of one block index together, so the threads finish close together.
+// (batch, head group) of one block index together, so the threads finish close together.
 void attend_chunk(void* ctx, int chunk) {
   const auto& j = *static_cast<const AttendJob*>(ctx);
   const auto& a = *j.a;
-  const int64_t heads = a.B * a.Hq;
-  const int64_t block = j.blocks - 1 - chunk / heads, bh = chunk % heads;
-  const int64_t b = bh / a.Hq, h = bh % a.Hq;
+  const int64_t groups = a.Hq / j.group, jobs = a.B * groups;
+  const int64_t block = j.blocks - 1 - chunk / jobs, bg = chunk % jobs;
+  const int64_t b = bg / groups, h0 = (bg % groups) * j.group;
   const int64_t i0 = block * kBlockRows, i1 = i0 + kBlockRows < a.L ? i0 + kBlockRows : a.L;
   thread_local std::vector<float> scratch;
   if (static_cast<int64_t>(scratch.size()) < j.scratch_floats) scratch.resize(j.scratch_floats);
-  const int64_t hk = h / (a.Hq / a.Hkv);
-  j.kn.attention_block(a, b, h, i0, i1, j.panels + (b * a.Hkv + hk) * j.head_floats, scratch.data());
+  const int64_t hk = h0 / (a.Hq / a.Hkv);
+  j.kn.attention_block(a, b, h0, h0 + j.group, i0, i1, j.panels + (b * a.Hkv + hk) * j.head_floats, scratch.data());
+}
+
+// Query heads a job attends: all the heads of a kv head (up to kGroupHeads), which then read its
+// keys and values once per block of rows, where there are jobs enough for the threads (two per
+// thread); else one head a job (a few query rows: a verify block, a short chunk).
+int64_t head_group(const AttentionArgs& a, int64_t blocks) {
+  const int64_t per_kv = a.Hq / a.Hkv;
+  int64_t group = per_kv < kGroupHeads ? per_kv : kGroupHeads;
+  while (per_kv % group != 0) --group;
+  return a.B * a.Hkv * blocks >= 2 * static_cast<int64_t>(threads()) ? group : 1;
 }
 
 void run_attention(AttentionArgs a, Isa isa) {
@@ -142,8 +153,9 @@ void run_attention(AttentionArgs a, Isa isa) {
   PackJob pack{&a, kn, panels, panels_per_head, per_chunk, (panels_per_head + per_chunk - 1) / per_chunk};
   parallel_chunks(static_cast<int>(a.B * a.Hkv * pack.chunks_per_head), pack_chunk, &pack);
   const int64_t blocks = (a.L + kBlockRows - 1) / kBlockRows;
-  AttendJob attend{&a, kn, panels, head_floats, blocks, kBlockRows * panels_per_head * nb};
-  parallel_chunks(static_cast<int>(a.B * a.Hq * blocks), attend_chunk, &attend);
+  const int64_t group = head_group(a, blocks);
+  AttendJob attend{&a, kn, panels, head_floats, blocks, group, kBlockRows * panels_per_head * nb};
+  parallel_chunks(static_cast<int>(a.B * (a.Hq / group) * blocks), attend_chunk, &attend);
 }
 
 struct GeluJob {

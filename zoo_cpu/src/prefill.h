@@ -30,6 +30,7 @@ namespace zoo {
 namespace mx = mlx::core;
 
 constexpr int64_t kBlockRows = 32;  // query rows a block (one job of a thread) attends
+constexpr int64_t kGroupHeads = 8;  // query heads (of one kv head) a job attends at most
 
 // Raw views of one attention call: strides in elements, the last axis of q, k, v contiguous.
 struct AttentionArgs {
@@ -51,7 +52,7 @@ struct AttentionArgs {
   void pack_keys(const float* k, int64_t k_row_stride, int64_t T, int64_t D, int64_t jb0, int64_t jb1,        \
                  float* panels);                                                                              \
   int key_block();                                                                                            \
-  void attention_block(const AttentionArgs& a, int64_t b, int64_t h, int64_t i0, int64_t i1,                  \
+  void attention_block(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, int64_t i0, int64_t i1,     \
                        const float* panels, float* scratch);                                                  \
   void gelu_gate(const float* up, const float* gate, int64_t i0, int64_t i1, float* out);                    \
   void linear_rows(const float* w, int64_t K, const float* panels, int64_t M, int64_t n0, int64_t n1, float* y, \
@@ -80,7 +81,7 @@ ZOO_PREFILL_KERNELS
 struct Kernels {
   void (*pack_keys)(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
   int (*key_block)();
-  void (*attention_block)(const AttentionArgs&, int64_t, int64_t, int64_t, int64_t, const float*, float*);
+  void (*attention_block)(const AttentionArgs&, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, float*);
   void (*gelu_gate)(const float*, const float*, int64_t, int64_t, float*);
   void (*linear_rows)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
   // A few rows' product against a weight stored transposed, wt [K, N] with rows ldw apart, read once.

@@ -271,94 +271,103 @@ void pack_keys(const float* k, int64_t k_row_stride, int64_t T, int64_t D, int64
 
 int key_block() { return NB; }
 
-// Key panels a block of query rows takes at a time: their packed keys and values and the rows'
-// scores stay in the core's L2 while the block reads them (a whole long run does not: 32k keys of
-// 256 floats are 32 MB each for keys and values, and 4 MB of scores a block).
-constexpr int64_t kKeyPanels = 512 / NB;
+// Key panels a block of query rows takes at a time (256 keys): their packed keys and values, the
+// rows' scores and the group's queries and outputs stay in the core's L2 while the block reads
+// them (a whole long run does not: 32k keys of 256 floats are 32 MB each for keys and values, and
+// 4 MB of scores a block; 512 keys were slower with four heads a job).
+constexpr int64_t kKeyPanels = 256 / NB;
 
-// One block of query rows [i0, i1) of one (batch, query head): over the keys it may see, kKeyPanels
-// panels at a time, scores against the packed keys, the masked scores' running maximum and sum
-// (an online softmax in float32: earlier blocks' sums and outputs rescaled by e^(old max - new
-// max)), and the product with the values added to the out rows, which the sums divide at the end.
-void attention_block(const AttentionArgs& a, int64_t b, int64_t h, int64_t i0, int64_t i1, const float* panels,
-                     float* s) {
-  const int64_t hk = h / (a.Hq / a.Hkv);
+// One block of query rows [i0, i1) of query heads [h0, h1) of one batch row, heads that share one kv
+// head (at most kGroupHeads): over the keys the block may see, kKeyPanels panels at a time, for
+// each head in turn (so a key block is read from memory once for all of them) scores against the
+// packed keys, the masked scores' running maximum and sum (an online softmax in float32: earlier
+// blocks' sums and outputs rescaled by e^(old max - new max)), and the product with the values
+// added to the out rows, which the sums divide at the end.
+void attention_block(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, int64_t i0, int64_t i1,
+                     const float* panels, float* s) {
+  const int64_t hk = h0 / (a.Hq / a.Hkv);
   const int64_t rows = i1 - i0;
   // The keys this block may see: causal rows see up to their own position (the last query
   // aligned with the last key), other reads all T keys.
   const int64_t seen = a.causal ? imin(a.T, a.T - a.L + i1) : a.T;
   const int64_t jb1 = (seen + NB - 1) / NB;
   const int64_t lds = imin(jb1, kKeyPanels) * NB;
-  const float* q = a.q + b * a.q_stride[0] + h * a.q_stride[1] + i0 * a.q_stride[2];
   const float* v = a.v + b * a.v_stride[0] + hk * a.v_stride[1];
-  float* out = a.out + ((b * a.Hq + h) * a.L + i0) * a.Dv;
   const float ninf = -__builtin_inff();
-  float top[kBlockRows], sum[kBlockRows];
-  for (int64_t rr = 0; rr < rows; ++rr) top[rr] = ninf, sum[rr] = 0.0f;
+  float top[kGroupHeads][kBlockRows], sum[kGroupHeads][kBlockRows];
+  for (int64_t g = 0; g < h1 - h0; ++g)
+    for (int64_t rr = 0; rr < rows; ++rr) top[g][rr] = ninf, sum[g][rr] = 0.0f;
 
   for (int64_t jb0 = 0; jb0 < jb1; jb0 += kKeyPanels) {
     const int64_t nb = imin(jb1 - jb0, kKeyPanels), k0 = jb0 * NB, k1 = imin(seen, k0 + nb * NB);
     const int64_t width = nb * NB;
     const float* kp = panels + jb0 * a.D * NB;
-    // Scores: MR rows a tile, then the remainder.
-    int64_t r = 0;
-    for (; r + MR <= rows; r += MR) scores_tile<MR>(q + r * a.q_stride[2], a.q_stride[2], kp, a.D, nb, s + r * lds, lds);
-    for (; r < rows; ++r) scores_tile<1>(q + r * a.q_stride[2], a.q_stride[2], kp, a.D, nb, s + r * lds, lds);
-
-    // Softmax rows over this block's keys: scale, mask (-inf), the new maximum, e^(x - max).
-    for (int64_t rr = 0; rr < rows; ++rr) {
-      float* row = s + rr * lds;
-      const int64_t i = i0 + rr;
-      const int64_t visible = imin(a.causal ? imin(a.T, a.T - a.L + i + 1) : a.T, k1) - k0;  // may be <= 0
-      const int64_t shown = visible > 0 ? visible : 0;
-      const vf scale = splat(a.scale);
-      if (a.mask) {
-        const uint8_t* m = a.mask + b * a.mask_stride[0] + i * a.mask_stride[1] + k0 * a.mask_stride[2];
-        for (int64_t j = 0; j < shown; ++j) row[j] = m[j * a.mask_stride[2]] ? row[j] * a.scale : ninf;
-      } else {
-        const int64_t full = shown / W * W;
-        for (int64_t j = 0; j < full; j += W) store(row + j, load(row + j) * scale);
-        for (int64_t j = full; j < shown; ++j) row[j] *= a.scale;
-      }
-      for (int64_t j = shown; j < width; ++j) row[j] = ninf;
-      vf mx = splat(top[rr]);
-      for (int64_t j = 0; j < width; j += W) mx = vmax(mx, load(row + j));
-      const float new_top = hmax(mx);
-      // e^(old - new) for the earlier blocks (0 while every score so far was masked: -inf - -inf
-      // gives NaN, which exp_nonpositive maps to 0, as it does e^-inf).
-      const float shrink = exp_nonpositive(splat(top[rr] - new_top))[0];
-      const vf t = splat(new_top);
-      vf add = vf{};
-      for (int64_t j = 0; j < width; j += W) {
-        const vf e = exp_nonpositive(load(row + j) - t);
-        store(row + j, e);
-        add += e;
-      }
-      if (jb0 > 0) {
-        float* o = out + rr * a.Dv;
-        const vf f = splat(shrink);
-        const int64_t full = a.Dv / W * W;
-        for (int64_t c = 0; c < full; c += W) store(o + c, load(o + c) * f);
-        for (int64_t c = full; c < a.Dv; ++c) o[c] *= shrink;
-      }
-      sum[rr] = sum[rr] * shrink + hsum(add);
-      top[rr] = new_top;
-    }
-
-    // Values: out (+)= P v over the block's keys.
     const float* vb = v + k0 * a.v_stride[2];
-    r = 0;
-    for (; r + MR <= rows; r += MR) values_rows<MR>(a, s + r * lds, lds, vb, k1 - k0, out + r * a.Dv, jb0 > 0);
-    for (; r < rows; ++r) values_rows<1>(a, s + r * lds, lds, vb, k1 - k0, out + r * a.Dv, jb0 > 0);
+    for (int64_t h = h0; h < h1; ++h) {
+      const float* q = a.q + b * a.q_stride[0] + h * a.q_stride[1] + i0 * a.q_stride[2];
+      float* out = a.out + ((b * a.Hq + h) * a.L + i0) * a.Dv;
+      float* head_top = top[h - h0];
+      float* head_sum = sum[h - h0];
+      // Scores: MR rows a tile, then the remainder.
+      int64_t r = 0;
+      for (; r + MR <= rows; r += MR) scores_tile<MR>(q + r * a.q_stride[2], a.q_stride[2], kp, a.D, nb, s + r * lds, lds);
+      for (; r < rows; ++r) scores_tile<1>(q + r * a.q_stride[2], a.q_stride[2], kp, a.D, nb, s + r * lds, lds);
+
+      // Softmax rows over this block's keys: scale, mask (-inf), the new maximum, e^(x - max).
+      for (int64_t rr = 0; rr < rows; ++rr) {
+        float* row = s + rr * lds;
+        const int64_t i = i0 + rr;
+        const int64_t visible = imin(a.causal ? imin(a.T, a.T - a.L + i + 1) : a.T, k1) - k0;  // may be <= 0
+        const int64_t shown = visible > 0 ? visible : 0;
+        const vf scale = splat(a.scale);
+        if (a.mask) {
+          const uint8_t* m = a.mask + b * a.mask_stride[0] + i * a.mask_stride[1] + k0 * a.mask_stride[2];
+          for (int64_t j = 0; j < shown; ++j) row[j] = m[j * a.mask_stride[2]] ? row[j] * a.scale : ninf;
+        } else {
+          const int64_t full = shown / W * W;
+          for (int64_t j = 0; j < full; j += W) store(row + j, load(row + j) * scale);
+          for (int64_t j = full; j < shown; ++j) row[j] *= a.scale;
+        }
+        for (int64_t j = shown; j < width; ++j) row[j] = ninf;
+        vf mx = splat(head_top[rr]);
+        for (int64_t j = 0; j < width; j += W) mx = vmax(mx, load(row + j));
+        const float new_top = hmax(mx);
+        // e^(old - new) for the earlier blocks (0 while every score so far was masked: -inf - -inf
+        // gives NaN, which exp_nonpositive maps to 0, as it does e^-inf).
+        const float shrink = exp_nonpositive(splat(head_top[rr] - new_top))[0];
+        const vf t = splat(new_top);
+        vf add = vf{};
+        for (int64_t j = 0; j < width; j += W) {
+          const vf e = exp_nonpositive(load(row + j) - t);
+          store(row + j, e);
+          add += e;
+        }
+        if (jb0 > 0) {
+          float* o = out + rr * a.Dv;
+          const vf f = splat(shrink);
+          const int64_t full = a.Dv / W * W;
+          for (int64_t c = 0; c < full; c += W) store(o + c, load(o + c) * f);
+          for (int64_t c = full; c < a.Dv; ++c) o[c] *= shrink;
+        }
+        head_sum[rr] = head_sum[rr] * shrink + hsum(add);
+        head_top[rr] = new_top;
+      }
+
+      // Values: out (+)= P v over the block's keys.
+      r = 0;
+      for (; r + MR <= rows; r += MR) values_rows<MR>(a, s + r * lds, lds, vb, k1 - k0, out + r * a.Dv, jb0 > 0);
+      for (; r < rows; ++r) values_rows<1>(a, s + r * lds, lds, vb, k1 - k0, out + r * a.Dv, jb0 > 0);
+    }
   }
-  for (int64_t rr = 0; rr < rows; ++rr) {  // each row over its sum (0 when no key was visible: NaN)
-    float* o = out + rr * a.Dv;
-    const float inv = 1.0f / sum[rr];
-    const vf f = splat(inv);
-    const int64_t full = a.Dv / W * W;
-    for (int64_t c = 0; c < full; c += W) store(o + c, load(o + c) * f);
-    for (int64_t c = full; c < a.Dv; ++c) o[c] *= inv;
-  }
+  for (int64_t h = h0; h < h1; ++h)
+    for (int64_t rr = 0; rr < rows; ++rr) {  // each row over its sum (0 when no key was visible: NaN)
+      float* o = a.out + ((b * a.Hq + h) * a.L + i0 + rr) * a.Dv;
+      const float inv = 1.0f / sum[h - h0][rr];
+      const vf f = splat(inv);
+      const int64_t full = a.Dv / W * W;
+      for (int64_t c = 0; c < full; c += W) store(o + c, load(o + c) * f);
+      for (int64_t c = full; c < a.Dv; ++c) o[c] *= inv;
+    }
 }
 
 // Rows [r0, r1) of x [R, D]: y = x * (mean(x^2) + eps)^-1/2 * w (w may be null: no weight).
