@@ -154,7 +154,8 @@ void run_attention(AttentionArgs a, Isa isa) {
   parallel_chunks(static_cast<int>(a.B * a.Hkv * pack.chunks_per_head), pack_chunk, &pack);
   const int64_t blocks = (a.L + kBlockRows - 1) / kBlockRows;
   const int64_t group = head_group(a, blocks);
-  AttendJob attend{&a, kn, panels, head_floats, blocks, group, kBlockRows * panels_per_head * nb};
+  const int64_t keys = panels_per_head * nb < kAttendKeys ? panels_per_head * nb : kAttendKeys;  // a block's scores
+  AttendJob attend{&a, kn, panels, head_floats, blocks, group, kBlockRows * keys};
   parallel_chunks(static_cast<int>(a.B * (a.Hq / group) * blocks), attend_chunk, &attend);
 }
 

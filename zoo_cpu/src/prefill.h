@@ -2,10 +2,11 @@
 // one core and attention as separate products around a softmax:
 //
 // - PrefillAttention: softmax(q k^T * scale + mask) v for a chunk of queries, fused and split over
-//   the extension's threads: per (batch, query head, block of kBlockRows query rows) the scores
-//   against keys packed once per kv head (GQA: the query heads of a kv head share them), the
-//   masked float32 softmax (Cephes' exp, as cache/cpu_math.py), and the product with the values.
-//   A causal block computes only the keys up to its last query.
+//   the extension's threads: per (batch, query heads of one kv head, block of kBlockRows query
+//   rows), key block by key block, the scores against keys packed once per kv head (GQA: the
+//   query heads of a kv head share them), the masked float32 softmax (online: Cephes' exp, as
+//   cache/cpu_math.py, with a running maximum and sum), and the product with the values. A causal
+//   block computes only the keys up to its last query.
 // - GeluGate: gelu_tanh(gate) * up (Eigen's rational tanh, as cache/cpu_math.py), split over the
 //   threads.
 //
@@ -31,6 +32,7 @@ namespace mx = mlx::core;
 
 constexpr int64_t kBlockRows = 32;  // query rows a block (one job of a thread) attends
 constexpr int64_t kGroupHeads = 8;  // query heads (of one kv head) a job attends at most
+constexpr int64_t kAttendKeys = 256;  // keys a block of query rows attends at a time (a multiple of every NB)
 
 // Raw views of one attention call: strides in elements, the last axis of q, k, v contiguous.
 struct AttentionArgs {

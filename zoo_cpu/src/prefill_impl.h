@@ -271,11 +271,11 @@ void pack_keys(const float* k, int64_t k_row_stride, int64_t T, int64_t D, int64
 
 int key_block() { return NB; }
 
-// Key panels a block of query rows takes at a time (256 keys): their packed keys and values, the
+// Key panels a block of query rows takes at a time (kAttendKeys): their packed keys and values, the
 // rows' scores and the group's queries and outputs stay in the core's L2 while the block reads
 // them (a whole long run does not: 32k keys of 256 floats are 32 MB each for keys and values, and
 // 4 MB of scores a block; 512 keys were slower with four heads a job).
-constexpr int64_t kKeyPanels = 256 / NB;
+constexpr int64_t kKeyPanels = kAttendKeys / NB;
 
 // One block of query rows [i0, i1) of query heads [h0, h1) of one batch row, heads that share one kv
 // head (at most kGroupHeads): over the keys the block may see, kKeyPanels panels at a time, for
