@@ -33,6 +33,14 @@ inline float hsum(vf v) {
   return s;
 }
 
+// x[0:n] *= f.
+inline void scale_row(float* x, int64_t n, float f) {
+  const int64_t full = n / W * W;
+  const vf v = splat(f);
+  for (int64_t j = 0; j < full; j += W) store(x + j, load(x + j) * v);
+  for (int64_t j = full; j < n; ++j) x[j] *= f;
+}
+
 // e^x for x <= 0 (a softmax's shifted scores): Cephes' expf as cache/cpu_math.py computes it,
 // exactly 0 below e^-87.3 (and for -inf).
 inline vf exp_nonpositive(vf x) {
@@ -81,28 +89,25 @@ inline vf gelu_gate(vf gate, vf up) {
 }
 
 // tile[r, :] (+)= a_r[0:kc] . panel[0:kc, :] for M rows of a (lda apart: query rows, weight rows, rows
-// of x) and NB columns of kc panel rows ldb apart (NB: a packed panel, see pack_keys; a weight stored
-// transposed: its row stride); tile rows ldt apart, added to when accumulate.
-template <int M>
+// of x) and the first V vectors of columns (NB for V = 2; V = 1: a panel that holds at most W
+// activation rows, half the work) of kc panel rows ldb apart (NB: a packed panel, see pack_keys; a
+// weight stored transposed: its row stride); tile rows ldt apart, added to when accumulate.
+template <int M, int V = 2>
 inline void panel_tile(const float* a, int64_t lda, const float* panel, int64_t kc, float* tile, int64_t ldt,
                        int64_t ldb = NB, bool accumulate = false) {
-  vf acc[M][2];
-  for (int r = 0; r < M; ++r) {
-    acc[r][0] = accumulate ? load(tile + r * ldt) : vf{};
-    acc[r][1] = accumulate ? load(tile + r * ldt + W) : vf{};
-  }
+  vf acc[M][V];
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < V; ++c) acc[r][c] = accumulate ? load(tile + r * ldt + c * W) : vf{};
   for (int64_t d = 0; d < kc; ++d) {
-    const vf b0 = load(panel + d * ldb), b1 = load(panel + d * ldb + W);
+    vf b[V];
+    for (int c = 0; c < V; ++c) b[c] = load(panel + d * ldb + c * W);
     for (int r = 0; r < M; ++r) {
       const float x = a[r * lda + d];
-      acc[r][0] += b0 * x;
-      acc[r][1] += b1 * x;
+      for (int c = 0; c < V; ++c) acc[r][c] += b[c] * x;
     }
   }
-  for (int r = 0; r < M; ++r) {
-    store(tile + r * ldt, acc[r][0]);
-    store(tile + r * ldt + W, acc[r][1]);
-  }
+  for (int r = 0; r < M; ++r)
+    for (int c = 0; c < V; ++c) store(tile + r * ldt + c * W, acc[r][c]);
 }
 
 // S[r, j] = q_r . k_j for M query rows (ldq apart) and the keys of packed panels [0, jb1); S rows lds apart.
@@ -148,19 +153,6 @@ inline void values_rows(const AttentionArgs& a, const float* p, int64_t ldp, con
     }
 }
 
-// tile[r, 0:W] = a_r[0:kc] . panel[0:kc, 0:W]: panel_tile on a panel's first vector of columns
-// only, for a panel that holds at most W activation rows (a batch's decode step: half the work).
-template <int M>
-inline void half_panel_tile(const float* a, int64_t lda, const float* panel, int64_t kc, float* tile) {
-  vf acc[M];
-  for (int r = 0; r < M; ++r) acc[r] = vf{};
-  for (int64_t d = 0; d < kc; ++d) {
-    const vf b = load(panel + d * NB);
-    for (int r = 0; r < M; ++r) acc[r] += b * a[r * lda + d];
-  }
-  for (int r = 0; r < M; ++r) store(tile + r * W, acc[r]);
-}
-
 // y[m, n0 + r] (+)= tile[r, m - m0] for the tile's rows r < rows (ldt apart) and activation rows m < M.
 inline void write_tile(const float* tile, int64_t ldt, int rows, int64_t m0, int64_t M, int64_t n0, float* y,
                        int64_t ldy, bool accumulate) {
@@ -193,9 +185,9 @@ void linear_rows(const float* w, int64_t K, const float* panels, int64_t M, int6
           const float* panel = panels + p * K * NB + k0 * NB;
           const int64_t ldt = M - p * NB <= W ? W : NB;  // W: the panel's second vector holds no rows
           if (ldt == W && rows == MRL) {
-            half_panel_tile<MRL>(w + n * K + k0, K, panel, kc, tile);
+            panel_tile<MRL, 1>(w + n * K + k0, K, panel, kc, tile, W);
           } else if (ldt == W) {
-            for (int r = 0; r < rows; ++r) half_panel_tile<1>(w + (n + r) * K + k0, K, panel, kc, tile + r * W);
+            for (int r = 0; r < rows; ++r) panel_tile<1, 1>(w + (n + r) * K + k0, K, panel, kc, tile + r * W, W);
           } else if (rows == MRL) {
             panel_tile<MRL>(w + n * K + k0, K, panel, kc, tile, NB);
           } else {
@@ -319,14 +311,11 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, 
         const int64_t i = i0 + rr;
         const int64_t visible = imin(a.causal ? imin(a.T, a.T - a.L + i + 1) : a.T, k1) - k0;  // may be <= 0
         const int64_t shown = visible > 0 ? visible : 0;
-        const vf scale = splat(a.scale);
         if (a.mask) {
           const uint8_t* m = a.mask + b * a.mask_stride[0] + i * a.mask_stride[1] + k0 * a.mask_stride[2];
           for (int64_t j = 0; j < shown; ++j) row[j] = m[j * a.mask_stride[2]] ? row[j] * a.scale : ninf;
         } else {
-          const int64_t full = shown / W * W;
-          for (int64_t j = 0; j < full; j += W) store(row + j, load(row + j) * scale);
-          for (int64_t j = full; j < shown; ++j) row[j] *= a.scale;
+          scale_row(row, shown, a.scale);
         }
         for (int64_t j = shown; j < width; ++j) row[j] = ninf;
         vf mx = splat(head_top[rr]);
@@ -342,13 +331,7 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, 
           store(row + j, e);
           add += e;
         }
-        if (jb0 > 0) {
-          float* o = out + rr * a.Dv;
-          const vf f = splat(shrink);
-          const int64_t full = a.Dv / W * W;
-          for (int64_t c = 0; c < full; c += W) store(o + c, load(o + c) * f);
-          for (int64_t c = full; c < a.Dv; ++c) o[c] *= shrink;
-        }
+        if (jb0 > 0) scale_row(out + rr * a.Dv, a.Dv, shrink);
         head_sum[rr] = head_sum[rr] * shrink + hsum(add);
         head_top[rr] = new_top;
       }
@@ -359,15 +342,9 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, 
       for (; r < rows; ++r) values_rows<1>(a, s + r * lds, lds, vb, k1 - k0, out + r * a.Dv, jb0 > 0);
     }
   }
-  for (int64_t h = h0; h < h1; ++h)
-    for (int64_t rr = 0; rr < rows; ++rr) {  // each row over its sum (0 when no key was visible: NaN)
-      float* o = a.out + ((b * a.Hq + h) * a.L + i0 + rr) * a.Dv;
-      const float inv = 1.0f / sum[h - h0][rr];
-      const vf f = splat(inv);
-      const int64_t full = a.Dv / W * W;
-      for (int64_t c = 0; c < full; c += W) store(o + c, load(o + c) * f);
-      for (int64_t c = full; c < a.Dv; ++c) o[c] *= inv;
-    }
+  for (int64_t h = h0; h < h1; ++h)  // each row over its sum (0 when no key was visible: NaN)
+    for (int64_t rr = 0; rr < rows; ++rr)
+      scale_row(a.out + ((b * a.Hq + h) * a.L + i0 + rr) * a.Dv, a.Dv, 1.0f / sum[h - h0][rr]);
 }
 
 // Rows [r0, r1) of x [R, D]: y = x * (mean(x^2) + eps)^-1/2 * w (w may be null: no weight).
