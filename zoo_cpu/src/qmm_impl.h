@@ -75,15 +75,17 @@ __attribute__((always_inline)) inline void unroll(Fn& fn) {
 
 inline int log2_of(int group) { return group == 32 ? 5 : group == 64 ? 6 : 7; }
 
-// Software prefetch this many bytes of weight rows ahead, one cache line with each block a row
-// reads (and the scales and biases of the rows that far ahead, a tile at a time): a decode
-// product streams each weight once from memory, and the hardware prefetchers alone fall far short
-// (docs/speed.md: the distance and the spread were measured).
-constexpr int64_t kPrefetchBytes = 8192;
+// Software prefetch of the weight rows, one cache line with each block a row reads, at two
+// distances: kPrefetchBytes ahead into L2 (prefetcht1) and kPrefetchNearBytes ahead into L1
+// (prefetcht0); the scales and biases of the rows kPrefetchBytes ahead go to L2 a tile at a time.
+// A decode product streams each weight once from memory and the hardware prefetchers alone fall
+// far short (docs/speed.md, "Prefetch distance": the distances and hints were measured).
+constexpr int64_t kPrefetchBytes = 16384;
+constexpr int64_t kPrefetchNearBytes = 2048;
 
-inline void prefetch(const void* start, int64_t bytes) {
+inline void prefetch_l2(const void* start, int64_t bytes) {
   const char* p = static_cast<const char*>(start);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
 // One tile: NR weight rows (row pointer w, scale and bias rows sc and bi) times MT activation rows.
@@ -116,7 +118,8 @@ inline void tile(const Prepared& a, int64_t m0, const PackedWeights& p, const ui
     I q[NR];
     for (int r = 0; r < NR; ++r) {
       const uint8_t* src = w + r * rb + t * 4 * V::L;
-      __builtin_prefetch(src + kPrefetchBytes);
+      __builtin_prefetch(src + kPrefetchBytes, 0, 2);
+      __builtin_prefetch(src + kPrefetchNearBytes, 0, 3);
       q[r] = whole ? V::words(src) : V::words_part(src, tail_words);
     }
     F acc[NR][MT];
@@ -170,8 +173,8 @@ inline void rows_mt(const Prepared& a, const PackedWeights& p, int64_t m0, int64
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) {
     if (n + ahead + NR <= n1) {
-      prefetch(sc + (n + ahead) * G, NR * G * static_cast<int64_t>(sizeof(S)));
-      prefetch(bi + (n + ahead) * G, NR * G * static_cast<int64_t>(sizeof(S)));
+      prefetch_l2(sc + (n + ahead) * G, NR * G * static_cast<int64_t>(sizeof(S)));
+      prefetch_l2(bi + (n + ahead) * G, NR * G * static_cast<int64_t>(sizeof(S)));
     }
     tile<BITS, MT, NR, S, UNIFORM>(a, m0, p, p.w + n * rb, sc + n * G, bi + n * G, ym + n, p.N);
   }
@@ -209,7 +212,7 @@ inline void dequant_bits(const PackedWeights& p, int64_t n0, int64_t n1, float* 
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* w = p.w + n * rb;
     float* o = out + n * K;
-    if (n + ahead < n1) prefetch(w + ahead * rb, rb);
+    if (n + ahead < n1) prefetch_l2(w + ahead * rb, rb);
     for (int64_t g = 0; g < G; ++g) {
       const F s = V::set1(as_float(sc[n * G + g]));
       const F b = V::set1(as_float(bi[n * G + g]));
