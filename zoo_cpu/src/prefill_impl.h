@@ -207,8 +207,9 @@ constexpr int GF = W >= 16 ? 8 : 4;
 // wt [K, N] with rows ldw apart (the output head's layout): blocks of KC weight rows, each streamed
 // along [n0, n1) in tiles of NB columns, every row of x against a tile while it is in the core's
 // caches, y accumulated across the blocks (it stays in the core's caches for a chunk of columns); the
-// weight read once. KC is 8 sequential streams (few enough for the prefetchers) up to 4 rows; above,
-// 24, which adds y's reloads a third as often, each tile fetched two ahead by hand (docs/speed.md).
+// weight read once. KC is 8 sequential streams up to 4 rows; above, 24, which adds y's reloads a third
+// as often. Above 2 rows each tile's KC rows are prefetched four tiles ahead into L2 (at 2 rows the
+// hardware prefetchers keep up; docs/speed.md, "A batch's few rows").
 void linear_few_transposed(const float* wt, int64_t ldw, int64_t K, const float* x, int64_t M, int64_t n0, int64_t n1,
                            float* y, int64_t ldy) {
   const int64_t KC = M > 4 ? 24 : 8;
@@ -217,9 +218,9 @@ void linear_few_transposed(const float* wt, int64_t ldw, int64_t K, const float*
     const int64_t kc = K - k0 < KC ? K - k0 : KC;
     const bool accumulate = k0 > 0;
     for (int64_t c0 = n0; c0 < full; c0 += NB) {
-      if (KC > 8)
+      if (M > 2)
         for (int64_t k = 0; k < kc; ++k)
-          for (int64_t line = 0; line < NB; line += 16) __builtin_prefetch(wt + (k0 + k) * ldw + c0 + 2 * NB + line);
+          for (int64_t line = 0; line < NB; line += 16) __builtin_prefetch(wt + (k0 + k) * ldw + c0 + 4 * NB + line, 0, 2);
       for (int64_t m0 = 0; m0 < M; m0 += GF) {
         const float* w = wt + k0 * ldw + c0;
         const float* xm = x + m0 * K + k0;
