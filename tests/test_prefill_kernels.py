@@ -223,6 +223,23 @@ def test_linear_transposed_matches_float64(M, K, N, lead, isa, seed):
     assert got.shape == want.shape and np.abs(got - want).max() <= 1.2e-7 * K * np.abs(x).max() * np.abs(wt).max() + 1e-30
 
 
+@pytest.mark.parametrize("isa", ISAS or ["portable"])
+@pytest.mark.parametrize("K, N", [(1, 5), (17, 7), (640, 97), (2048, 50)])
+def test_linear_of_up_to_8_rows_matches_float64_and_gives_each_row_the_same_bits_in_any_batch(isa, K, N):
+    """Up to 8 rows take the unpacked dot kernel (``linear_dots``): tiles of 4, 3 or 2 weight rows
+    and single rows past them, inputs past the last whole vector; each output's sum runs in one
+    order, so a row's result does not depend on which rows share its batch."""
+    rng = np.random.default_rng(K * 1000 + N)
+    x = rng.standard_normal((8, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    alone = [np.array(prefill.linear(mx.array(x[m : m + 1]), mx.array(w), isa=isa)) for m in range(8)]
+    for M in range(1, 9):
+        got = np.array(prefill.linear(mx.array(x[:M]), mx.array(w), isa=isa))
+        assert np.abs(got - want[:M]).max() <= 1.2e-7 * K * np.abs(x).max() * np.abs(w).max()
+        assert all(np.array_equal(got[m], alone[m][0]) for m in range(M))
+
+
 def test_linear_of_strided_inputs_and_270m_shapes():
     rng = np.random.default_rng(4)
     x = mx.array(rng.standard_normal((640, 512)).astype(np.float32)).T[None]  # [1, 512, 640], transposed view

@@ -81,9 +81,10 @@ def gelu_gated(up: mx.array, gate: mx.array | None, isa: str | None = None) -> m
 
 
 def linear(x: mx.array, w: mx.array, isa: str | None = None, transposed: bool = False) -> mx.array:
-    """``x @ w.T`` for float32 ``x [..., K]`` and ``w [N, K]``: ``x`` packed in panels of rows, the
-    weight's rows split over the threads (AVX-512 tiles of 12 weight rows by 32 activation rows, by 16
-    where a panel holds 16 rows or fewer: a batch's decode step does half the work).
+    """``x @ w.T`` for float32 ``x [..., K]`` and ``w [N, K]``, the weight's rows split over the
+    threads: up to 8 rows of ``x`` (a batch's decode step, a verify block), each weight row's dot
+    products with every row, unpacked; more, ``x`` packed in panels of rows (AVX-512 tiles of 12
+    weight rows by 32 activation rows, by 16 where a panel holds 16 rows or fewer).
 
     ``transposed``: ``x @ w`` for a weight stored transposed, ``w [K, N]`` (the output head's layout,
     ``graphs.speedups``), through the few-row kernel: for a few rows of ``x`` (a speculative verify

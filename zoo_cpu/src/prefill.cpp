@@ -16,8 +16,8 @@
 namespace zoo {
 
 #define ZOO_KERNELS_OF(ns)                                                                                  \
-  Kernels{ns::pack_keys, ns::key_block, ns::attention_block, ns::gelu_gate, ns::linear_rows, ns::linear_few_transposed, \
-          ns::rms_norm_rows, ns::rotate_rows, ns::decode_attention_part}
+  Kernels{ns::pack_keys,     ns::key_block,             ns::attention_block, ns::gelu_gate, ns::linear_rows, \
+          ns::linear_dots,   ns::linear_few_transposed, ns::rms_norm_rows,   ns::rotate_rows, ns::decode_attention_part}
 
 Kernels vector_kernels(Isa isa) {
 #if defined(__x86_64__) && defined(ZOO_X86_KERNELS)
@@ -259,6 +259,15 @@ void linear_chunk(void* ctx, int chunk) {
   j.kn.linear_rows(j.w, j.K, j.panels, j.M, n0, n1, j.y, j.N);
 }
 
+// Up to kDotMaxRows rows of x: no panels, each weight row against every row of x (linear_dots).
+constexpr int64_t kDotMaxRows = 8;
+
+void dots_chunk(void* ctx, int chunk) {
+  const auto& j = *static_cast<const LinearJob*>(ctx);
+  const int64_t n0 = chunk * kLinearRows, n1 = n0 + kLinearRows < j.N ? n0 + kLinearRows : j.N;
+  j.kn.linear_dots(j.w, j.K, j.x, j.M, n0, n1, j.y, j.N);
+}
+
 // A weight stored transposed (a few rows of x): chunks of kTransposedColumns output columns, each
 // wide enough for the kernel's row streams (the rows of the weight are far apart), no packing.
 constexpr int64_t kTransposedColumns = 4096;
@@ -272,6 +281,10 @@ void transposed_chunk(void* ctx, int chunk) {
 void run_linear(LinearJob j) {
   if (j.transposed) {
     parallel_chunks(static_cast<int>((j.N + kTransposedColumns - 1) / kTransposedColumns), transposed_chunk, &j);
+    return;
+  }
+  if (j.M <= kDotMaxRows) {
+    parallel_chunks(static_cast<int>((j.N + kLinearRows - 1) / kLinearRows), dots_chunk, &j);
     return;
   }
   const int64_t nb = j.kn.key_block();

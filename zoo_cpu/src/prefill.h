@@ -59,6 +59,8 @@ struct AttentionArgs {
   void gelu_gate(const float* up, const float* gate, int64_t i0, int64_t i1, float* out);                    \
   void linear_rows(const float* w, int64_t K, const float* panels, int64_t M, int64_t n0, int64_t n1, float* y, \
                    int64_t ldy);                                                                              \
+  void linear_dots(const float* w, int64_t K, const float* x, int64_t M, int64_t n0, int64_t n1, float* y,     \
+                   int64_t ldy);                                                                              \
   void linear_few_transposed(const float* wt, int64_t ldw, int64_t K, const float* x, int64_t M, int64_t n0,  \
                              int64_t n1, float* y, int64_t ldy);                                              \
   void rms_norm_rows(const float* x, const float* w, int64_t D, float eps, int64_t r0, int64_t r1, float* y); \
@@ -86,6 +88,8 @@ struct Kernels {
   void (*attention_block)(const AttentionArgs&, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, float*);
   void (*gelu_gate)(const float*, const float*, int64_t, int64_t, float*);
   void (*linear_rows)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
+  // y[:, n0:n1] = x w[n0:n1]^T for a few rows of x (at most 8), unpacked.
+  void (*linear_dots)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
   // A few rows' product against a weight stored transposed, wt [K, N] with rows ldw apart, read once.
   void (*linear_few_transposed)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
   void (*rms_norm_rows)(const float*, const float*, int64_t, float, int64_t, int64_t, float*);

@@ -200,6 +200,46 @@ void linear_rows(const float* w, int64_t K, const float* panels, int64_t M, int6
   }
 }
 
+// Weight rows a dot tile takes for M rows of x: NR x M accumulators, M rows of x and one weight
+// vector fit the registers.
+// Floats of a weight row a dot tile prefetches ahead into L2 (a decode product streams its weight).
+constexpr int64_t kDotAhead = 4096;
+constexpr int dot_rows(int M) { return W >= 16 ? (M <= 2 ? 4 : M <= 4 ? 3 : 2) : (M <= 2 ? 3 : M <= 4 ? 2 : 1); }
+
+// y[m, r] = w[r] . x[m] for NR weight rows (K apart) and M rows of x (K apart), y rows ldy apart:
+// vectors along K, one horizontal sum per output. Each output's sum runs in the same order whatever
+// NR and M, so a row of x gets the same bits in any batch.
+template <int M, int NR>
+inline void dots_tile(const float* w, int64_t K, const float* x, float* y, int64_t ldy) {
+  const int64_t full = K / W * W;
+  vf acc[NR][M];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = vf{};
+  for (int64_t d = 0; d < full; d += W) {
+    vf xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = load(x + m * K + d);
+    for (int r = 0; r < NR; ++r) {
+      __builtin_prefetch(w + r * K + d + kDotAhead, 0, 2);
+      const vf wv = load(w + r * K + d);
+      for (int m = 0; m < M; ++m) acc[r][m] += wv * xv[m];
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < M; ++m) {
+      float t = hsum(acc[r][m]);
+      for (int64_t d = full; d < K; ++d) t += w[r * K + d] * x[m * K + d];
+      y[m * ldy + r] = t;
+    }
+}
+
+template <int M>
+inline void dots_rows(const float* w, int64_t K, const float* x, int64_t n0, int64_t n1, float* y, int64_t ldy) {
+  constexpr int NR = dot_rows(M);
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) dots_tile<M, NR>(w + n * K, K, x, y + n, ldy);
+  for (; n < n1; ++n) dots_tile<M, 1>(w + n * K, K, x, y + n, ldy);
+}
+
 // Rows of x a few-row tile holds: 2 G accumulators, two weight vectors and a broadcast fit the registers.
 constexpr int GF = W >= 16 ? 8 : 4;
 
@@ -243,6 +283,23 @@ void linear_few_transposed(const float* wt, int64_t ldw, int64_t K, const float*
         for (int64_t k = 0; k < kc; ++k) s += x[m * K + k0 + k] * wt[(k0 + k) * ldw + c];
         y[m * ldy + c] = s;
       }
+  }
+}
+
+// y[:, n0:n1] = x w[n0:n1]^T for M <= 8 rows of x [M, K] (contiguous), no packing: each
+// weight row streamed once against every row of x (a panel of the GEMM above would be mostly zero
+// padding at these rows, and its time that of 16).
+void linear_dots(const float* w, int64_t K, const float* x, int64_t M, int64_t n0, int64_t n1, float* y,
+                 int64_t ldy) {
+  switch (M) {
+    case 1: dots_rows<1>(w, K, x, n0, n1, y, ldy); break;
+    case 2: dots_rows<2>(w, K, x, n0, n1, y, ldy); break;
+    case 3: dots_rows<3>(w, K, x, n0, n1, y, ldy); break;
+    case 4: dots_rows<4>(w, K, x, n0, n1, y, ldy); break;
+    case 5: dots_rows<5>(w, K, x, n0, n1, y, ldy); break;
+    case 6: dots_rows<6>(w, K, x, n0, n1, y, ldy); break;
+    case 7: dots_rows<7>(w, K, x, n0, n1, y, ldy); break;
+    default: dots_rows<8>(w, K, x, n0, n1, y, ldy); break;
   }
 }
 
