@@ -30,4 +30,4 @@ def apply(graph: nn.Module, chosen: Backend) -> list[str]:
         if type(m) is nn.Linear and id(m) not in heads and m.weight.dtype == mx.float32 and m.weight.ndim == 2
     ]  # fmt: skip
     graph.update_modules(tree_unflatten([(path, prefill.Linear.of(m)) for path, m in layers]))
-    return [f"prefill GEMM: {len(layers)} projections of {prefill.LINEAR_MIN_ROWS} rows or more"]
+    return [f"projections on the extension: {len(layers)} (up to 8 rows as dot products, more as a GEMM)"]

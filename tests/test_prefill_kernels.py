@@ -251,7 +251,7 @@ def test_linear_of_strided_inputs_and_270m_shapes():
     assert np.array_equal(np.array(empty), np.zeros((3, 5), np.float32))
 
 
-def test_linear_layer_takes_many_rows_only_and_keeps_its_parameters(monkeypatch):
+def test_linear_layer_takes_every_float32_product_with_rows_and_keeps_its_parameters(monkeypatch):
     import mlx.nn as nn
 
     base = nn.Linear(24, 40, bias=True)
@@ -259,16 +259,17 @@ def test_linear_layer_takes_many_rows_only_and_keeps_its_parameters(monkeypatch)
     assert layer.parameters().keys() == base.parameters().keys() and layer.weight is base.weight
     calls, gemm = [], prefill.linear
     monkeypatch.setattr(prefill, "linear", lambda *a: calls.append(a[0].shape) or gemm(*a))
-    few, many = mx.random.normal((1, prefill.LINEAR_MIN_ROWS - 1, 24)), mx.random.normal((2, 33, 24))
-    for x in (few, many):
+    one, many, none = mx.random.normal((1, 1, 24)), mx.random.normal((2, 33, 24)), mx.zeros((2, 0, 24))
+    for x in (one, many):
         assert mx.abs(layer(x) - base(x)).max().item() < 1e-5
-    assert calls == [(2, 33, 24)]
+    assert layer(none).shape == (2, 0, 40)
+    assert calls == [(1, 1, 24), (2, 33, 24)]  # no rows: MLX's
     with backend.using(replace(backend.active(), prefill=False)):
         layer(many)
     with backend.using(backend.MLX):
         layer(many)
     layer(many.astype(mx.bfloat16))
-    assert calls == [(2, 33, 24)]
+    assert calls == [(1, 1, 24), (2, 33, 24)]
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +297,7 @@ def test_loaded_models_take_the_kernels_and_match_float64(tiny_folders, name):
     folder = tiny_folders / name
     model = models.load(str(folder), tokenizer=False)
     linears = [m for _, m in model.graph.named_modules() if isinstance(m, prefill.Linear)]
-    assert linears and f"prefill GEMM: {len(linears)} projections of {prefill.LINEAR_MIN_ROWS} rows or more" in model.device_notes
+    assert linears and f"projections on the extension: {len(linears)} (up to 8 rows as dot products, more as a GEMM)" in model.device_notes
     assert any(n.startswith("prefill kernels on both cores: attention, GeGLU gate, RoPE, RMSNorm") for n in model.device_notes)
     head = model.graph.head_module()
     assert not isinstance(head, prefill.Linear)

@@ -30,11 +30,6 @@ import mlx.nn as nn
 from . import backend
 from .extension import module as _module
 
-# Products of this many rows or more take the GEMM (from 2 rows it beats the BLAS: a batch's decode
-# step, a verify block; docs/speed.md); one row (decode) stays MLX's (the BLAS's gemv).
-LINEAR_MIN_ROWS = 2
-
-
 def takes(q: mx.array, keys: mx.array, values: mx.array, mask) -> bool:
     """Whether ``attention`` computes this read: float32 ``q``, ``keys`` and ``values``, and a mask
     that is None, ``"causal"`` or boolean ``[L, T]`` / ``[B or 1, 1, L, T]`` (``cache.masks``'s
@@ -94,17 +89,15 @@ def linear(x: mx.array, w: mx.array, isa: str | None = None, transposed: bool = 
 
 
 def takes_linear(x: mx.array, w: mx.array) -> bool:
-    """Whether ``linear`` takes ``x @ w.T`` now: float32 operands, at least ``LINEAR_MIN_ROWS`` rows,
-    and a backend that runs the prefill kernels."""
-    return (
-        x.size >= LINEAR_MIN_ROWS * x.shape[-1] and x.dtype == mx.float32 and w.dtype == mx.float32
-        and backend.active().prefill
-    )  # fmt: skip
+    """Whether ``linear`` takes ``x @ w.T`` now: float32 operands with at least one row and one input,
+    and a backend that runs the prefill kernels. From one row (a decode step) it beats the BLAS: MKL's
+    gemv streamed the 270M's weights at 14-20 GB/s on this CPU, the dot kernel at 30-36 (docs/speed.md)."""
+    return x.size > 0 and x.dtype == mx.float32 and w.dtype == mx.float32 and backend.active().prefill
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same saved form) whose float32 products of ``LINEAR_MIN_ROWS``
-    rows or more take ``linear`` while the backend runs the prefill kernels; a decode row stays MLX's."""
+    """``nn.Linear`` (same parameters, same saved form) whose float32 products take ``linear`` while
+    the backend runs the prefill kernels (``takes_linear``); other products stay MLX's."""
 
     @classmethod
     def of(cls, module: nn.Linear) -> "Linear":
