@@ -90,8 +90,8 @@ def linear(x: mx.array, w: mx.array, isa: str | None = None, transposed: bool = 
 
 def takes_linear(x: mx.array, w: mx.array) -> bool:
     """Whether ``linear`` takes ``x @ w.T`` now: float32 operands with at least one row and one input,
-    and a backend that runs the prefill kernels. From one row (a decode step) it beats the BLAS: MKL's
-    gemv streamed the 270M's weights at 14-20 GB/s on this CPU, the dot kernel at 30-36 (docs/speed.md)."""
+    and a backend that runs the prefill kernels. From one row (a decode step) it beats the BLAS's gemv
+    (docs/speed.md, "A batch's few rows")."""
     return x.size > 0 and x.dtype == mx.float32 and w.dtype == mx.float32 and backend.active().prefill
 
 

@@ -253,19 +253,14 @@ void linear_pack_chunk(void* ctx, int chunk) {
   j.kn.pack_keys(j.x, j.K, j.M, j.K, jb0, jb1, j.panels);
 }
 
+// Up to kDotMaxRows rows of x take no panels: each weight row against every row of x (linear_dots).
 void linear_chunk(void* ctx, int chunk) {
   const auto& j = *static_cast<const LinearJob*>(ctx);
   const int64_t n0 = chunk * kLinearRows, n1 = n0 + kLinearRows < j.N ? n0 + kLinearRows : j.N;
-  j.kn.linear_rows(j.w, j.K, j.panels, j.M, n0, n1, j.y, j.N);
-}
-
-// Up to kDotMaxRows rows of x: no panels, each weight row against every row of x (linear_dots).
-constexpr int64_t kDotMaxRows = 8;
-
-void dots_chunk(void* ctx, int chunk) {
-  const auto& j = *static_cast<const LinearJob*>(ctx);
-  const int64_t n0 = chunk * kLinearRows, n1 = n0 + kLinearRows < j.N ? n0 + kLinearRows : j.N;
-  j.kn.linear_dots(j.w, j.K, j.x, j.M, n0, n1, j.y, j.N);
+  if (j.M <= kDotMaxRows)
+    j.kn.linear_dots(j.w, j.K, j.x, j.M, n0, n1, j.y, j.N);
+  else
+    j.kn.linear_rows(j.w, j.K, j.panels, j.M, n0, n1, j.y, j.N);
 }
 
 // A weight stored transposed (a few rows of x): chunks of kTransposedColumns output columns, each
@@ -283,16 +278,14 @@ void run_linear(LinearJob j) {
     parallel_chunks(static_cast<int>((j.N + kTransposedColumns - 1) / kTransposedColumns), transposed_chunk, &j);
     return;
   }
-  if (j.M <= kDotMaxRows) {
-    parallel_chunks(static_cast<int>((j.N + kLinearRows - 1) / kLinearRows), dots_chunk, &j);
-    return;
-  }
-  const int64_t nb = j.kn.key_block();
-  const int64_t npanels = (j.M + nb - 1) / nb;
   Panels buffer;
-  j.panels = buffer.get(npanels * nb * j.K);
-  j.per_pack = 2;
-  parallel_chunks(static_cast<int>((npanels + j.per_pack - 1) / j.per_pack), linear_pack_chunk, &j);
+  if (j.M > kDotMaxRows) {
+    const int64_t nb = j.kn.key_block();
+    const int64_t npanels = (j.M + nb - 1) / nb;
+    j.panels = buffer.get(npanels * nb * j.K);
+    j.per_pack = 2;
+    parallel_chunks(static_cast<int>((npanels + j.per_pack - 1) / j.per_pack), linear_pack_chunk, &j);
+  }
   parallel_chunks(static_cast<int>((j.N + kLinearRows - 1) / kLinearRows), linear_chunk, &j);
 }
 

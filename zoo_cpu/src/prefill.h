@@ -33,6 +33,7 @@ namespace mx = mlx::core;
 constexpr int64_t kBlockRows = 32;  // query rows a block (one job of a thread) attends
 constexpr int64_t kGroupHeads = 8;  // query heads (of one kv head) a job attends at most
 constexpr int64_t kAttendKeys = 256;  // keys a block of query rows attends at a time (a multiple of every NB)
+constexpr int64_t kDotMaxRows = 8;    // rows of x a product takes unpacked (linear_dots); more: panels
 
 // Raw views of one attention call: strides in elements, the last axis of q, k, v contiguous.
 struct AttentionArgs {
@@ -88,7 +89,7 @@ struct Kernels {
   void (*attention_block)(const AttentionArgs&, int64_t, int64_t, int64_t, int64_t, int64_t, const float*, float*);
   void (*gelu_gate)(const float*, const float*, int64_t, int64_t, float*);
   void (*linear_rows)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
-  // y[:, n0:n1] = x w[n0:n1]^T for a few rows of x (at most 8), unpacked.
+  // y[:, n0:n1] = x w[n0:n1]^T for a few rows of x (at most kDotMaxRows), unpacked.
   void (*linear_dots)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);
   // A few rows' product against a weight stored transposed, wt [K, N] with rows ldw apart, read once.
   void (*linear_few_transposed)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t);

@@ -200,10 +200,11 @@ void linear_rows(const float* w, int64_t K, const float* panels, int64_t M, int6
   }
 }
 
-// Weight rows a dot tile takes for M rows of x: NR x M accumulators, M rows of x and one weight
-// vector fit the registers.
 // Floats of a weight row a dot tile prefetches ahead into L2 (a decode product streams its weight).
 constexpr int64_t kDotAhead = 4096;
+
+// Weight rows a dot tile takes for M rows of x: NR x M accumulators, M rows of x and one weight
+// vector fit the registers.
 constexpr int dot_rows(int M) { return W >= 16 ? (M <= 2 ? 4 : M <= 4 ? 3 : 2) : (M <= 2 ? 3 : M <= 4 ? 2 : 1); }
 
 // y[m, r] = w[r] . x[m] for NR weight rows (K apart) and M rows of x (K apart), y rows ldy apart:
@@ -286,7 +287,7 @@ void linear_few_transposed(const float* wt, int64_t ldw, int64_t K, const float*
   }
 }
 
-// y[:, n0:n1] = x w[n0:n1]^T for M <= 8 rows of x [M, K] (contiguous), no packing: each
+// y[:, n0:n1] = x w[n0:n1]^T for M <= kDotMaxRows (8) rows of x [M, K] (contiguous), no packing: each
 // weight row streamed once against every row of x (a panel of the GEMM above would be mostly zero
 // padding at these rows, and its time that of 16).
 void linear_dots(const float* w, int64_t K, const float* x, int64_t M, int64_t n0, int64_t n1, float* y,
