@@ -325,6 +325,26 @@ def test_rms_norm_matches_float64(rows, D, weighted, lead, isa, seed):
     assert np.abs(got - want).max() <= (6e-8 * D + 3e-7) * np.abs(x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-6)).max() * scale + 1e-30
 
 
+@pytest.mark.parametrize("isa", ISAS or ["portable"])
+def test_rms_norm_of_views_gives_the_bits_of_their_copies(isa):
+    """Inputs as the layers hand them: the queries' transposed view of a projection (rows of D
+    adjacent floats, far apart), a view whose last axis is strided, a broadcast residual and a
+    strided weight: each copied in the evaluation, a row at a time, to the same result as a contiguous copy."""
+    rng = np.random.default_rng(11)
+    projected = mx.array(rng.standard_normal((2, 37, 3 * 64 + 5)).astype(np.float32))
+    heads = projected[..., : 3 * 64].reshape(2, 37, 3, 64).transpose(0, 2, 1, 3)  # [B, H, L, D] view
+    across = mx.array(rng.standard_normal((64, 2, 3, 37)).astype(np.float32)).transpose(1, 2, 3, 0)  # last axis strided
+    residual = mx.broadcast_to(mx.array(rng.standard_normal(64).astype(np.float32)), (2, 3, 37, 64))
+    weight = mx.array(rng.standard_normal(128).astype(np.float32))[::2]
+    for x in (heads, across):
+        for w, r in ((None, None), (weight, residual)):
+            shift = 0.0 if w is None else 1.0
+            got = prefill.rms_norm(x, w, 1e-6, shift=shift, residual=r, isa=isa)
+            copies = [None if a is None else mx.array(np.array(a)) for a in (x, w, r)]
+            want = prefill.rms_norm(copies[0], copies[1], 1e-6, shift=shift, residual=copies[2], isa=isa)
+            assert np.array_equal(np.array(got), np.array(want))
+
+
 @settings(max_examples=40, deadline=None)
 @given(B=st.integers(1, 2), H=st.integers(1, 4), L=st.integers(1, 40), half=st.integers(1, 70), per_row=st.booleans(),
        isa=st.sampled_from(ISAS or ["portable"]), seed=st.integers(0, 2**16))  # fmt: skip

@@ -372,7 +372,7 @@ void PackedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out
       return;
     }
     std::vector<float> dense(M * p.K);
-    for (int64_t i = 0; i < M * p.K; ++i) dense[i] = x[mx::elem_to_loc(static_cast<int>(i), shape, strides)];
+    copy_row_major(x, shape, strides, dense.data());
     run_matmul(dense.data(), M, p, isa, y);
   });
 }

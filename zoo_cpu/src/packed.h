@@ -5,8 +5,10 @@
 // or float16 (read as stored), float32 results.
 #pragma once
 
+#include <cstring>
 #include <string>
 
+#include "mlx/backend/common/utils.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "qmm.h"
@@ -36,6 +38,25 @@ Isa parse_isa(const std::string& name);
 // Chunks [0, chunks) of fn(ctx, chunk) on the calling thread and the pool's workers (the prefill
 // kernels split their work this way too).
 void parallel_chunks(int chunks, void (*fn)(void*, int), void* ctx);
+// The elements of an array (``src`` with ``shape`` and ``strides``) in row-major order into
+// ``out``: a row of the last axis at a time, its location found once (a division per axis) and the
+// row copied whole when its elements are adjacent, as a transposed view's rows are (element by
+// element, the divisions cost an encoder more than its norms: docs/embedding.md).
+template <class T>
+void copy_row_major(const T* src, const mx::Shape& shape, const mx::Strides& strides, T* out) {
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  const int64_t last = shape.empty() ? 1 : shape.back(), step = shape.empty() ? 1 : strides.back();
+  if (n == 0) return;
+  for (int64_t r = 0; r < n / last; ++r) {
+    const T* row = src + mx::elem_to_loc(r * last, shape, strides);
+    T* to = out + r * last;
+    if (step == 1)
+      std::memcpy(to, row, last * sizeof(T));
+    else
+      for (int64_t i = 0; i < last; ++i) to[i] = row[i * step];
+  }
+}
 
 // What both primitives share: the layout (group size, bits), the kernels' instruction set, and no GPU.
 class PackedPrimitive : public mx::UnaryPrimitive {

@@ -24,6 +24,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "packed.h"
 #include "qmm.h"
 
 namespace zoo {
@@ -117,8 +118,7 @@ const T* rows_of(const mx::array& a, int64_t stride[3], std::vector<T>& copy) {
     return a.data<T>();
   }
   copy.resize(a.size());
-  const T* src = a.data<T>();
-  for (size_t i = 0; i < a.size(); ++i) copy[i] = src[mx::elem_to_loc(static_cast<int64_t>(i), a.shape(), a.strides())];
+  copy_row_major(a.data<T>(), a.shape(), a.strides(), copy.data());
   stride[2] = a.shape(3);
   stride[1] = stride[2] * a.shape(2);
   stride[0] = stride[1] * a.shape(1);
@@ -132,7 +132,7 @@ const T* dense(const mx::array& a, std::vector<T>& copy) {
   const T* data = reinterpret_cast<const T*>(a.data<void>());
   if (a.flags().row_contiguous) return data;
   copy.resize(a.size());
-  for (size_t i = 0; i < a.size(); ++i) copy[i] = data[mx::elem_to_loc(static_cast<int64_t>(i), a.shape(), a.strides())];
+  copy_row_major(data, a.shape(), a.strides(), copy.data());
   return copy.data();
 }
 // A norm's weight as the kernels multiply by it: ``w`` itself, or ``w + shift`` (Gemma 2/3's
