@@ -35,6 +35,7 @@ constexpr int64_t kBlockRows = 32;  // query rows a block (one job of a thread) 
 constexpr int64_t kGroupHeads = 8;  // query heads (of one kv head) a job attends at most
 constexpr int64_t kAttendKeys = 256;  // keys a block of query rows attends at a time (a multiple of every NB)
 constexpr int64_t kDotMaxRows = 8;    // rows of x a product takes unpacked (linear_dots); more: panels
+constexpr int64_t kLinearInputs = 768;  // inputs a GEMM block takes at most (256: 12% slower, docs/speed.md)
 
 // Raw views of one attention call: strides in elements, the last axis of q, k, v contiguous.
 struct AttentionArgs {

@@ -169,10 +169,12 @@ inline void write_tile(const float* tile, int64_t ldt, int rows, int64_t m0, int
 }  // namespace
 
 // y[:, n0:n1] = x w[n0:n1]^T for x packed into panels of NB rows (pack_keys: each K x NB), in
-// blocks of KC inputs (a block of the panels stays in the core's caches while the weight rows pass).
+// blocks of KC inputs, K cut into equal blocks of at most kLinearInputs (a block of MC panels stays
+// in the core's L2 while the weight rows pass; each block's tile is written out, transposed, once).
 void linear_rows(const float* w, int64_t K, const float* panels, int64_t M, int64_t n0, int64_t n1, float* y,
                  int64_t ldy) {
-  constexpr int64_t KC = 256, MC = 8;  // inputs a block, panels a block
+  constexpr int64_t MC = 8;  // panels a block
+  const int64_t KC = (K + (K + kLinearInputs - 1) / kLinearInputs - 1) / ((K + kLinearInputs - 1) / kLinearInputs);
   const int64_t npanels = (M + NB - 1) / NB;
   float tile[MRL * NB];
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
