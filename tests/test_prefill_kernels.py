@@ -120,6 +120,27 @@ def test_attention_over_many_key_blocks_matches_float64(isa, mask):
     assert np.abs(got - want).max() <= bound(q, k, v, 0.2)
 
 
+@pytest.mark.parametrize("isa", ISAS or ["portable"])
+def test_attention_in_a_band_reads_only_its_panels_and_matches_float64(isa):
+    """A sliding window's band (``|i - j| <= 100`` over 700 positions, an encoder's sliding read):
+    each block of query rows reads only the key panels between the first and the last key any of
+    its rows sees, so its span starts and ends inside the 256-key blocks. Rows 32-63 (a whole
+    block) and row 5 see no key: NaN rows, the others unchanged."""
+    rng = np.random.default_rng(5)
+    q, k, v = arrays(rng, 1, 3, 1, 700, 700, 64, 48)
+    pos = np.arange(700)
+    band = np.abs(pos[:, None] - pos[None]) <= 100
+    hidden = band.copy()
+    hidden[32:64] = False
+    hidden[5] = False
+    for m in (band, hidden):
+        got = np.array(prefill.attention(mx.array(q), mx.array(k), mx.array(v), 0.125, mx.array(m), isa=isa))
+        sees = m.any(1)
+        assert np.isnan(got[:, :, ~sees]).all() and not np.isnan(got[:, :, sees]).any()
+        want = reference(q[:, :, sees], k, v, 0.125, m[sees])
+        assert np.abs(got[:, :, sees] - want).max() <= bound(q, k, v, 0.125)
+
+
 def test_a_row_with_no_visible_key_is_nan_as_in_mlx():
     q, k, v = arrays(np.random.default_rng(1), 1, 1, 1, 3, 5, 8, 8)
     mask = np.ones((3, 5), bool)

@@ -307,16 +307,21 @@ void linear_dots(const float* w, int64_t K, const float* x, int64_t M, int64_t n
 }
 
 // Keys [j0, j1) (whole panels) of one (batch, kv head) into panels of D x NB floats, zero past T.
+// A pass writes kPackInputs panel rows (a few KB, which stay in L1 until each line is whole; a
+// column of a whole panel at a time wrote each line NB times through L2).
 void pack_keys(const float* k, int64_t k_row_stride, int64_t T, int64_t D, int64_t jb0, int64_t jb1, float* panels) {
+  constexpr int64_t kPackInputs = 16;
   for (int64_t jb = jb0; jb < jb1; ++jb) {
     float* b = panels + jb * D * NB;
-    for (int c = 0; c < NB; ++c) {
-      const int64_t j = jb * NB + c;
-      if (j < T) {
-        const float* row = k + j * k_row_stride;
-        for (int64_t d = 0; d < D; ++d) b[d * NB + c] = row[d];
-      } else {
-        for (int64_t d = 0; d < D; ++d) b[d * NB + c] = 0.0f;
+    const int64_t keys = imin(NB, T - jb * NB);
+    for (int64_t d0 = 0; d0 < D; d0 += kPackInputs) {
+      const int64_t d1 = imin(D, d0 + kPackInputs);
+      for (int c = 0; c < NB; ++c) {
+        const float* row = k + (jb * NB + c) * k_row_stride;
+        if (c < keys)
+          for (int64_t d = d0; d < d1; ++d) b[d * NB + c] = row[d];
+        else
+          for (int64_t d = d0; d < d1; ++d) b[d * NB + c] = 0.0f;
       }
     }
   }
@@ -340,18 +345,40 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, 
                      const float* panels, float* s) {
   const int64_t hk = h0 / (a.Hq / a.Hkv);
   const int64_t rows = i1 - i0;
-  // The keys this block may see: causal rows see up to their own position (the last query
-  // aligned with the last key), other reads all T keys.
-  const int64_t seen = a.causal ? imin(a.T, a.T - a.L + i1) : a.T;
-  const int64_t jb1 = (seen + NB - 1) / NB;
-  const int64_t lds = imin(jb1, kKeyPanels) * NB;
+  // The keys this block may see, [first, seen): causal rows see up to their own position (the
+  // last query aligned with the last key), other reads all T keys; a mask narrows that to the
+  // first and last key any row of the block sees (a sliding window's band skips the panels
+  // outside it). No visible key at all: NaN rows, as MLX gives.
+  int64_t first = 0, seen = a.causal ? imin(a.T, a.T - a.L + i1) : a.T;
+  if (a.mask && a.mask_stride[2] == 1) {
+    int64_t lo = seen, hi = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t* m = a.mask + b * a.mask_stride[0] + i * a.mask_stride[1];
+      const void* left = std::memchr(m, 1, lo);  // MLX's bools are bytes of 0 or 1
+      if (left) lo = static_cast<const uint8_t*>(left) - m;
+      for (int64_t j = seen - 1; j >= hi; --j)
+        if (m[j]) {
+          hi = j + 1;
+          break;
+        }
+    }
+    if (lo >= hi) {
+      for (int64_t h = h0; h < h1; ++h)
+        for (int64_t c = 0; c < rows * a.Dv; ++c) a.out[((b * a.Hq + h) * a.L + i0) * a.Dv + c] = __builtin_nanf("");
+      return;
+    }
+    first = lo, seen = hi;
+  }
+  const int64_t jb_first = first / NB, jb1 = (seen + NB - 1) / NB;
+  const int64_t lds = imin(jb1 - jb_first, kKeyPanels) * NB;
   const float* v = a.v + b * a.v_stride[0] + hk * a.v_stride[1];
   const float ninf = -__builtin_inff();
   float top[kGroupHeads][kBlockRows], sum[kGroupHeads][kBlockRows];
   for (int64_t g = 0; g < h1 - h0; ++g)
     for (int64_t rr = 0; rr < rows; ++rr) top[g][rr] = ninf, sum[g][rr] = 0.0f;
 
-  for (int64_t jb0 = 0; jb0 < jb1; jb0 += kKeyPanels) {
+  for (int64_t jb0 = jb_first; jb0 < jb1; jb0 += kKeyPanels) {
+    const bool later = jb0 > jb_first;  // earlier blocks' sums and outputs to rescale and add to
     const int64_t nb = imin(jb1 - jb0, kKeyPanels), k0 = jb0 * NB, k1 = imin(seen, k0 + nb * NB);
     const int64_t width = nb * NB;
     const float* kp = panels + jb0 * a.D * NB;
@@ -392,15 +419,15 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, 
           store(row + j, e);
           add += e;
         }
-        if (jb0 > 0) scale_row(out + rr * a.Dv, a.Dv, shrink);
+        if (later) scale_row(out + rr * a.Dv, a.Dv, shrink);
         head_sum[rr] = head_sum[rr] * shrink + hsum(add);
         head_top[rr] = new_top;
       }
 
       // Values: out (+)= P v over the block's keys.
       r = 0;
-      for (; r + MR <= rows; r += MR) values_rows<MR>(a, s + r * lds, lds, vb, k1 - k0, out + r * a.Dv, jb0 > 0);
-      for (; r < rows; ++r) values_rows<1>(a, s + r * lds, lds, vb, k1 - k0, out + r * a.Dv, jb0 > 0);
+      for (; r + MR <= rows; r += MR) values_rows<MR>(a, s + r * lds, lds, vb, k1 - k0, out + r * a.Dv, later);
+      for (; r < rows; ++r) values_rows<1>(a, s + r * lds, lds, vb, k1 - k0, out + r * a.Dv, later);
     }
   }
   for (int64_t h = h0; h < h1; ++h)  // each row over its sum (0 when no key was visible: NaN)
