@@ -306,23 +306,42 @@ void linear_dots(const float* w, int64_t K, const float* x, int64_t M, int64_t n
   }
 }
 
-// Keys [j0, j1) (whole panels) of one (batch, kv head) into panels of D x NB floats, zero past T.
-// A pass writes kPackInputs panel rows (a few KB, which stay in L1 until each line is whole; a
-// column of a whole panel at a time wrote each line NB times through L2).
+// One stage of an in-register transpose of W vectors: swaps the off-diagonal B x B blocks of each
+// 2B x 2B block (rows r and r + B exchange halves through two-source shuffles: index e takes
+// element e of the first vector, W + e of the second). Stages B = W/2 ... 1 make t[i][j] = t[j][i].
+template <int B>
+inline void transpose_from(vf* t) {
+  vi lo, hi;
+  for (int e = 0; e < W; ++e) {
+    lo[e] = e & B ? W + e - B : e;
+    hi[e] = e & B ? W + e : e + B;
+  }
+  for (int r = 0; r < W; ++r)
+    if (!(r & B)) {
+      const vf a = t[r], b = t[r + B];
+      t[r] = __builtin_shuffle(a, b, lo);
+      t[r + B] = __builtin_shuffle(a, b, hi);
+    }
+  if constexpr (B > 1) transpose_from<B / 2>(t);
+}
+
+// Keys [j0, j1) (whole panels) of one (batch, kv head) into panels of D x NB floats, zero past T:
+// W keys by W inputs at a time, loaded as vectors, transposed in registers, stored as whole
+// vectors (a scalar copy wrote each panel line NB times).
 void pack_keys(const float* k, int64_t k_row_stride, int64_t T, int64_t D, int64_t jb0, int64_t jb1, float* panels) {
-  constexpr int64_t kPackInputs = 16;
+  const int64_t full = D / W * W;
   for (int64_t jb = jb0; jb < jb1; ++jb) {
-    float* b = panels + jb * D * NB;
-    const int64_t keys = imin(NB, T - jb * NB);
-    for (int64_t d0 = 0; d0 < D; d0 += kPackInputs) {
-      const int64_t d1 = imin(D, d0 + kPackInputs);
-      for (int c = 0; c < NB; ++c) {
-        const float* row = k + (jb * NB + c) * k_row_stride;
-        if (c < keys)
-          for (int64_t d = d0; d < d1; ++d) b[d * NB + c] = row[d];
-        else
-          for (int64_t d = d0; d < d1; ++d) b[d * NB + c] = 0.0f;
+    for (int64_t c0 = 0; c0 < NB; c0 += W) {
+      float* b = panels + jb * D * NB + c0;
+      const int64_t first = jb * NB + c0, keys = T - first < W ? (T > first ? T - first : 0) : W;
+      for (int64_t d0 = 0; d0 < full; d0 += W) {
+        vf t[W];
+        for (int c = 0; c < W; ++c) t[c] = c < keys ? load(k + (first + c) * k_row_stride + d0) : vf{};
+        if constexpr (W > 1) transpose_from<W / 2>(t);
+        for (int d = 0; d < W; ++d) store(b + (d0 + d) * NB, t[d]);
       }
+      for (int64_t d = full; d < D; ++d)  // inputs past the last whole vector
+        for (int c = 0; c < W; ++c) b[d * NB + c] = c < keys ? k[(first + c) * k_row_stride + d] : 0.0f;
     }
   }
 }
