@@ -55,4 +55,9 @@ class PackedCache:
             part = slice(start, start + n)
             outs.append(cache.bidirectional(q[:, :, part], k[:, :, part], v[:, :, part], scale=scale))
             start += n
-        return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)
+        if len(outs) == 1:
+            return outs[0]
+        # Joined positions first and handed back as the [1, heads, N, D] view, so that the layer's
+        # move of the heads back beside each position is no second copy (the prefill kernel's
+        # outputs are such views already: their pieces join as plain row copies).
+        return mx.concatenate([o.transpose(0, 2, 1, 3) for o in outs], axis=1).transpose(0, 2, 1, 3)

@@ -123,13 +123,23 @@ class EmbeddingModel:
                 shown = self.tokenizer._tokenizer.convert_ids_to_tokens(outside[:3]) if outside else "no tokens"
                 raise ValueError(f"embed: text {i} has ids outside the model's table [0, {vocab}): {outside[:3]} {shown}")
         out = np.empty((len(ids), dimensions), dtype=np.float32)
+
+        def finish(chosen: list[int], vectors: mx.array) -> None:
+            out[chosen] = matryoshka(np.array(vectors.astype(mx.float32)), dimensions)
+            if progress is not None:
+                progress(len(chosen))
+
+        # Each batch's graph is built and started while the one before it still computes.
+        running = None
         for chosen in batches([len(row) for row in ids], batch_size, MAX_BATCH_TOKENS):
             lengths = [len(ids[i]) for i in chosen]
             packed = mx.array([t for i in chosen for t in ids[i]], dtype=mx.int32)[None]
             vectors = self.head(self.graph.encode(packed, lengths), lengths)
-            out[chosen] = matryoshka(np.array(vectors.astype(mx.float32)), dimensions)
-            if progress is not None:
-                progress(len(chosen))
+            mx.async_eval(vectors)
+            if running is not None:
+                finish(*running)
+            running = (chosen, vectors)
+        finish(*running)
         return out
 
     def _prompt(self, prompt_name: str | None) -> str:

@@ -320,8 +320,11 @@ mx::array prefill_attention(const mx::array& q, const mx::array& k, const mx::ar
     inputs.push_back(m);
   }
   const std::vector<float> settings{scale, causal ? 1.0f : 0.0f, mask ? 1.0f : 0.0f};
-  return mx::array({B, Hq, L, static_cast<int>(v.shape(3))}, mx::float32,
-                   std::make_shared<PrefillAttention>(stream, parse_isa(isa), settings), std::move(inputs));
+  // Computed positions first, [B, L, Hq, Dv], and handed back as its [B, Hq, L, Dv] view: the
+  // layer's move of the heads back beside each position then needs no copy.
+  const mx::array out({B, L, Hq, static_cast<int>(v.shape(3))}, mx::float32,
+                      std::make_shared<PrefillAttention>(stream, parse_isa(isa), settings), std::move(inputs));
+  return mx::transpose(out, {0, 2, 1, 3}, stream);
 }
 
 mx::array gelu_gate(const mx::array& up, const std::optional<mx::array>& gate, const std::string& isa,
@@ -503,7 +506,7 @@ void PrefillPrimitive::eval_gpu(const std::vector<mx::array>&, mx::array&) {
 }
 
 std::vector<mx::Shape> PrefillAttention::output_shapes(const std::vector<mx::array>& inputs) {
-  return {{inputs[0].shape(0), inputs[0].shape(1), inputs[0].shape(2), inputs[2].shape(3)}};
+  return {{inputs[0].shape(0), inputs[0].shape(2), inputs[0].shape(1), inputs[2].shape(3)}};  // [B, L, Hq, Dv]
 }
 
 std::vector<mx::Shape> GeluGate::output_shapes(const std::vector<mx::array>& inputs) {

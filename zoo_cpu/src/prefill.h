@@ -47,7 +47,7 @@ struct AttentionArgs {
   int64_t v_stride[3];
   const uint8_t* mask;     // bool, True = attend: batch, query row, key (nullptr: none)
   int64_t mask_stride[3];
-  float* out;              // [B, Hq, L, Dv], contiguous
+  float* out;              // [B, L, Hq, Dv], contiguous (positions first: see prefill_attention)
   int64_t B, Hq, Hkv, L, T, D, Dv;
   float scale;
   bool causal;             // the last query aligned with the last key (MLX's "causal")
@@ -149,6 +149,7 @@ mx::cpu::CommandEncoder& output_encoder(mx::Stream stream, const std::vector<mx:
 
 // softmax(q k^T * scale + mask) v; q [B, Hq, L, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv] float32,
 // Hq a multiple of Hkv, T >= L when causal. mask: none, or bool [L, T] / [B or 1, 1, L, T].
+// The result [B, Hq, L, Dv] is a view of a [B, L, Hq, Dv] array.
 mx::array prefill_attention(const mx::array& q, const mx::array& k, const mx::array& v, float scale,
                             const std::optional<mx::array>& mask, bool causal, const std::string& isa = "",
                             mx::StreamOrDevice s = {});

@@ -144,12 +144,13 @@ template <int M>
 inline void values_rows(const AttentionArgs& a, const float* p, int64_t ldp, const float* v, int64_t n, float* out,
                         bool accumulate) {
   const int64_t full = a.Dv / NB * NB;
-  for (int64_t c0 = 0; c0 < full; c0 += NB) values_tile<M>(p, ldp, v, a.v_stride[2], n, c0, out, a.Dv, accumulate);
+  const int64_t ldo = a.Hq * a.Dv;  // out rows: positions of [B, L, Hq, Dv]
+  for (int64_t c0 = 0; c0 < full; c0 += NB) values_tile<M>(p, ldp, v, a.v_stride[2], n, c0, out, ldo, accumulate);
   for (int64_t c = full; c < a.Dv; ++c)  // columns past the last whole tile
     for (int r = 0; r < M; ++r) {
-      float acc = accumulate ? out[r * a.Dv + c] : 0.0f;
+      float acc = accumulate ? out[r * ldo + c] : 0.0f;
       for (int64_t j = 0; j < n; ++j) acc += p[r * ldp + j] * v[j * a.v_stride[2] + c];
-      out[r * a.Dv + c] = acc;
+      out[r * ldo + c] = acc;
     }
 }
 
@@ -383,13 +384,15 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, 
     }
     if (lo >= hi) {
       for (int64_t h = h0; h < h1; ++h)
-        for (int64_t c = 0; c < rows * a.Dv; ++c) a.out[((b * a.Hq + h) * a.L + i0) * a.Dv + c] = __builtin_nanf("");
+        for (int64_t i = i0; i < i1; ++i)
+          for (int64_t c = 0; c < a.Dv; ++c) a.out[((b * a.L + i) * a.Hq + h) * a.Dv + c] = __builtin_nanf("");
       return;
     }
     first = lo, seen = hi;
   }
   const int64_t jb_first = first / NB, jb1 = (seen + NB - 1) / NB;
   const int64_t lds = imin(jb1 - jb_first, kKeyPanels) * NB;
+  const int64_t ldo = a.Hq * a.Dv;  // out rows: positions of [B, L, Hq, Dv]
   const float* v = a.v + b * a.v_stride[0] + hk * a.v_stride[1];
   const float ninf = -__builtin_inff();
   float top[kGroupHeads][kBlockRows], sum[kGroupHeads][kBlockRows];
@@ -404,7 +407,7 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, 
     const float* vb = v + k0 * a.v_stride[2];
     for (int64_t h = h0; h < h1; ++h) {
       const float* q = a.q + b * a.q_stride[0] + h * a.q_stride[1] + i0 * a.q_stride[2];
-      float* out = a.out + ((b * a.Hq + h) * a.L + i0) * a.Dv;
+      float* out = a.out + ((b * a.L + i0) * a.Hq + h) * a.Dv;  // rows ldo apart
       float* head_top = top[h - h0];
       float* head_sum = sum[h - h0];
       // Scores: MR rows a tile, then the remainder.
@@ -438,20 +441,20 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, 
           store(row + j, e);
           add += e;
         }
-        if (later) scale_row(out + rr * a.Dv, a.Dv, shrink);
+        if (later) scale_row(out + rr * ldo, a.Dv, shrink);
         head_sum[rr] = head_sum[rr] * shrink + hsum(add);
         head_top[rr] = new_top;
       }
 
       // Values: out (+)= P v over the block's keys.
       r = 0;
-      for (; r + MR <= rows; r += MR) values_rows<MR>(a, s + r * lds, lds, vb, k1 - k0, out + r * a.Dv, later);
-      for (; r < rows; ++r) values_rows<1>(a, s + r * lds, lds, vb, k1 - k0, out + r * a.Dv, later);
+      for (; r + MR <= rows; r += MR) values_rows<MR>(a, s + r * lds, lds, vb, k1 - k0, out + r * ldo, later);
+      for (; r < rows; ++r) values_rows<1>(a, s + r * lds, lds, vb, k1 - k0, out + r * ldo, later);
     }
   }
   for (int64_t h = h0; h < h1; ++h)  // each row over its sum (0 when no key was visible: NaN)
     for (int64_t rr = 0; rr < rows; ++rr)
-      scale_row(a.out + ((b * a.Hq + h) * a.L + i0 + rr) * a.Dv, a.Dv, 1.0f / sum[h - h0][rr]);
+      scale_row(a.out + ((b * a.L + i0 + rr) * a.Hq + h) * a.Dv, a.Dv, 1.0f / sum[h - h0][rr]);
 }
 
 // Rows [r0, r1) of x [R, D]: y = x * (mean(x^2) + eps)^-1/2 * w (w may be null: no weight).
