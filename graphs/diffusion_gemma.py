@@ -164,8 +164,9 @@ class DiffusionGemmaModel(VocabularyHead, CheckedCaches, nn.Module):
 
     def expected_embedding(self, probs: mx.array) -> mx.array:
         """``probs @ E * sqrt(H)`` for float32 probabilities ``[B, C, V]``, rounded to the embedding
-        dtype first; one BLAS product on the table's stored (transposed) layout, or the quantized
-        product on its packed rows."""
+        dtype first; one product on the table as stored (``[V, H]``: the extension's kernel for a
+        weight stored transposed where it takes float32, 15-40% faster than the BLAS's there, else
+        the BLAS), or the quantized product on its packed rows."""
         table = self.embed_tokens
         probs = probs.astype(float_dtype(table))
         if "scales" in table:
@@ -173,6 +174,8 @@ class DiffusionGemmaModel(VocabularyHead, CheckedCaches, nn.Module):
                 probs, table.weight, table.scales, table.get("biases"), transpose=False,
                 group_size=table.group_size, bits=table.bits, mode=table.mode,
             )  # fmt: skip
+        elif prefill.takes_linear(probs, table.weight):
+            expected = prefill.linear(probs, table.weight, transposed=True)
         else:
             expected = probs @ table.weight
         return expected * self._embed_scale()

@@ -246,6 +246,20 @@ def test_linear_transposed_matches_float64(M, K, N, lead, isa, seed):
 
 
 @pytest.mark.parametrize("isa", ISAS or ["portable"])
+@pytest.mark.parametrize("M", [9, 20, 64])
+def test_linear_transposed_of_many_rows_over_long_inputs_matches_float64(isa, M):
+    """A canvas's rows against a table stored ``[V, H]`` (DiffusionGemma's self-conditioning
+    product ``probs @ E``): blocks of 512 inputs, the last one short, the columns split in two
+    chunks (one per core) with columns past the last whole tile."""
+    rng = np.random.default_rng(M)
+    x = rng.standard_normal((M, 1100)).astype(np.float32)
+    wt = rng.standard_normal((1100, 300)).astype(np.float32)
+    got = np.array(prefill.linear(mx.array(x), mx.array(wt), isa=isa, transposed=True))
+    want = x.astype(np.float64) @ wt.astype(np.float64)
+    assert np.abs(got - want).max() <= 1.2e-7 * 1100 * np.abs(x).max() * np.abs(wt).max()
+
+
+@pytest.mark.parametrize("isa", ISAS or ["portable"])
 @pytest.mark.parametrize("K, N", [(1, 5), (17, 7), (640, 97), (2048, 50)])
 def test_linear_of_up_to_8_rows_matches_float64_and_gives_each_row_the_same_bits_in_any_batch(isa, K, N):
     """Up to 8 rows take the unpacked dot kernel (``linear_dots``): tiles of 4, 3 or 2 weight rows

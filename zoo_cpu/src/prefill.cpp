@@ -269,13 +269,15 @@ constexpr int64_t kTransposedColumns = 4096;
 
 void transposed_chunk(void* ctx, int chunk) {
   const auto& j = *static_cast<const LinearJob*>(ctx);
-  const int64_t n0 = chunk * kTransposedColumns, n1 = n0 + kTransposedColumns < j.N ? n0 + kTransposedColumns : j.N;
+  const int64_t n0 = chunk * j.per_pack, n1 = n0 + j.per_pack < j.N ? n0 + j.per_pack : j.N;
   j.kn.linear_few_transposed(j.w, j.N, j.K, j.x, j.M, n0, n1, j.y, j.N);
 }
 
 void run_linear(LinearJob j) {
   if (j.transposed) {
-    parallel_chunks(static_cast<int>((j.N + kTransposedColumns - 1) / kTransposedColumns), transposed_chunk, &j);
+    const int64_t half = ((j.N + 1) / 2 + 31) / 32 * 32;
+    j.per_pack = half < kTransposedColumns ? half : kTransposedColumns;
+    parallel_chunks(static_cast<int>((j.N + j.per_pack - 1) / j.per_pack), transposed_chunk, &j);
     return;
   }
   Panels buffer;

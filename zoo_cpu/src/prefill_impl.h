@@ -256,13 +256,13 @@ constexpr int GF = W >= 16 ? 8 : 4;
 // hardware prefetchers keep up; docs/speed.md, "A batch's few rows").
 void linear_few_transposed(const float* wt, int64_t ldw, int64_t K, const float* x, int64_t M, int64_t n0, int64_t n1,
                            float* y, int64_t ldy) {
-  const int64_t KC = M > 4 ? 24 : 8;
+  const int64_t KC = M > GF ? 512 : M > 4 ? 24 : 8;
   const int64_t full = n0 + (n1 - n0) / NB * NB;
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t kc = K - k0 < KC ? K - k0 : KC;
     const bool accumulate = k0 > 0;
     for (int64_t c0 = n0; c0 < full; c0 += NB) {
-      if (M > 2)
+      if (M > 2 && M <= GF)
         for (int64_t k = 0; k < kc; ++k)
           for (int64_t line = 0; line < NB; line += 16) __builtin_prefetch(wt + (k0 + k) * ldw + c0 + 4 * NB + line, 0, 2);
       for (int64_t m0 = 0; m0 < M; m0 += GF) {
