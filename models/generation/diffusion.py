@@ -159,8 +159,9 @@ class Finished:
 
 # ----------------------------------------------------------------------------- algorithm pieces
 def vocabulary_step(
-    logits: mx.array, temperature: float, softcap: float | None = None, scratch: dict | None = None
-) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    logits: mx.array, temperature: float, softcap: float | None = None, scratch: dict | None = None,
+    keep_processed: bool = True,
+) -> tuple[mx.array | None, mx.array, mx.array, mx.array]:
     """``(processed, probs, entropies, argmax)`` of the decoder's float32 ``logits [B, C, V]``.
 
     Every vocabulary-wide quantity of a step from one set of exponentials: the logits softcapped
@@ -175,7 +176,9 @@ def vocabulary_step(
     its reductions about ten times slower than numpy's (measurements in ``docs/diffusion.md``).
     Elsewhere (a GPU) it is one compiled MLX function. ``scratch``, a dict the caller keeps from
     step to step, holds the numpy path's ``[B * C, V]`` work arrays: fresh ones cost a page fault
-    per 4 KB on first touch, which was most of this function's time.
+    per 4 KB on first touch, which was most of this function's time. Without ``keep_processed``
+    the numpy path hands back None for the processed logits instead of copying them into MLX (the
+    loop self-conditions on them only where the table is not float32).
     """
     t = np.float32(temperature)
     if not fast_math.active():
@@ -197,7 +200,7 @@ def vocabulary_step(
     else:
         list(_pool().map(lambda args: _numpy_rows(*args), work))
     shape = x.shape
-    return (mx.array(processed.reshape(shape)), mx.array(probs.reshape(shape)),
+    return (mx.array(processed.reshape(shape)) if keep_processed else None, mx.array(probs.reshape(shape)),
             mx.array(entropies.reshape(shape[:-1])), mx.array(argmax.reshape(shape[:-1])))  # fmt: skip
 
 
@@ -420,7 +423,9 @@ def _denoise_block(model, cache, canvas, options, noise, rows_finished, passes, 
         passes += ~(np.array(done) | rows_finished)
         temperature = options.temperature(remaining)
         head = model.head_product(model.decoder_states(canvas, cache, soft))
-        processed, probs, entropies, new_argmax = vocabulary_step(head, temperature, model.config.text.final_logit_softcapping, scratch)
+        processed, probs, entropies, new_argmax = vocabulary_step(
+            head, temperature, model.config.text.final_logit_softcapping, scratch, keep_processed=embed_dtype != mx.float32
+        )  # fmt: skip
         sample = noise.sample(probs)
         accepted = entropy_bound_accept(entropies, options.entropy_bound)
         new_canvas = mx.where(accepted, sample, noise.canvas((B, C), model.config.text.vocab_size))
