@@ -175,7 +175,8 @@ inline void write_tile(const float* tile, int64_t ldt, int rows, int64_t m0, int
 void linear_rows(const float* w, int64_t K, const float* panels, int64_t M, int64_t n0, int64_t n1, float* y,
                  int64_t ldy) {
   constexpr int64_t MC = 8;  // panels a block
-  const int64_t KC = (K + (K + kLinearInputs - 1) / kLinearInputs - 1) / ((K + kLinearInputs - 1) / kLinearInputs);
+  const int64_t blocks = K > kLinearInputs ? (K + kLinearInputs - 1) / kLinearInputs : 1;
+  const int64_t KC = (K + blocks - 1) / blocks;
   const int64_t npanels = (M + NB - 1) / NB;
   float tile[MRL * NB];
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
