@@ -244,6 +244,7 @@ struct LinearJob {
   int64_t M, K, N;
   int64_t per_pack;  // panels a packing chunk makes
   bool transposed;   // w is [K, N]: the few-row kernel
+  int64_t columns = 0;  // transposed: output columns a chunk takes
 };
 
 void linear_pack_chunk(void* ctx, int chunk) {
@@ -264,20 +265,22 @@ void linear_chunk(void* ctx, int chunk) {
 }
 
 // A weight stored transposed (a few rows of x): chunks of kTransposedColumns output columns, each
-// wide enough for the kernel's row streams (the rows of the weight are far apart), no packing.
+// wide enough for the kernel's row streams (the rows of the weight are far apart), no packing; of
+// half the columns (rounded up to 32) where that is fewer, so that both cores take a narrow output
+// (a canvas against DiffusionGemma's [V, H] table: 256 columns).
 constexpr int64_t kTransposedColumns = 4096;
 
 void transposed_chunk(void* ctx, int chunk) {
   const auto& j = *static_cast<const LinearJob*>(ctx);
-  const int64_t n0 = chunk * j.per_pack, n1 = n0 + j.per_pack < j.N ? n0 + j.per_pack : j.N;
+  const int64_t n0 = chunk * j.columns, n1 = n0 + j.columns < j.N ? n0 + j.columns : j.N;
   j.kn.linear_few_transposed(j.w, j.N, j.K, j.x, j.M, n0, n1, j.y, j.N);
 }
 
 void run_linear(LinearJob j) {
   if (j.transposed) {
     const int64_t half = ((j.N + 1) / 2 + 31) / 32 * 32;
-    j.per_pack = half < kTransposedColumns ? half : kTransposedColumns;
-    parallel_chunks(static_cast<int>((j.N + j.per_pack - 1) / j.per_pack), transposed_chunk, &j);
+    j.columns = half < kTransposedColumns ? half : kTransposedColumns;
+    parallel_chunks(static_cast<int>((j.N + j.columns - 1) / j.columns), transposed_chunk, &j);
     return;
   }
   Panels buffer;
