@@ -308,22 +308,30 @@ void linear_dots(const float* w, int64_t K, const float* x, int64_t M, int64_t n
   }
 }
 
+// The two-source shuffle of a and b by constant indices I (index e: element e of a, W + e: of b),
+// spelled for GCC and for Clang (whose __builtin_shuffle does not exist).
+template <int... I>
+inline vf shuffle2(vf a, vf b) {
+#if defined(__clang__)
+  return __builtin_shufflevector(a, b, I...);
+#else
+  return __builtin_shuffle(a, b, vi{I...});
+#endif
+}
+
 // One stage of an in-register transpose of W vectors: swaps the off-diagonal B x B blocks of each
-// 2B x 2B block (rows r and r + B exchange halves through two-source shuffles: index e takes
-// element e of the first vector, W + e of the second). Stages B = W/2 ... 1 make t[i][j] = t[j][i].
+// 2B x 2B block (rows r and r + B exchange halves). Stages B = W/2 ... 1 make t[i][j] = t[j][i].
+template <int B, int... E>
+inline void swap_blocks(vf& a, vf& b, std::integer_sequence<int, E...>) {
+  const vf x = a, y = b;
+  a = shuffle2<(E & B ? W + E - B : E)...>(x, y);
+  b = shuffle2<(E & B ? W + E : E + B)...>(x, y);
+}
+
 template <int B>
 inline void transpose_from(vf* t) {
-  vi lo, hi;
-  for (int e = 0; e < W; ++e) {
-    lo[e] = e & B ? W + e - B : e;
-    hi[e] = e & B ? W + e : e + B;
-  }
   for (int r = 0; r < W; ++r)
-    if (!(r & B)) {
-      const vf a = t[r], b = t[r + B];
-      t[r] = __builtin_shuffle(a, b, lo);
-      t[r + B] = __builtin_shuffle(a, b, hi);
-    }
+    if (!(r & B)) swap_blocks<B>(t[r], t[r + B], std::make_integer_sequence<int, W>{});
   if constexpr (B > 1) transpose_from<B / 2>(t);
 }
 
