@@ -47,6 +47,16 @@ def test_uncapped_logits_pass_through():
     np.testing.assert_array_equal(processed, raw / np.float32(0.5))
 
 
+def test_without_the_processed_logits_the_rest_is_the_same():
+    """The loop asks for the processed logits only where a bf16 table self-conditions on them."""
+    raw = np.random.default_rng(2).standard_normal((1, 8, 300)).astype(np.float32)
+    full = vocabulary_step(mx.array(raw), 0.7, 30.0)
+    lean = vocabulary_step(mx.array(raw), 0.7, 30.0, keep_processed=False)
+    assert lean[0] is None
+    for a, b in zip(full[1:], lean[1:]):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
 def test_sampler_follows_the_probabilities_and_never_draws_an_impossible_token():
     probs = np.zeros((1, 4000, 8), dtype=np.float32)
     probs[..., [1, 4, 7]] = [0.5, 0.3, 0.2]  # token 0 and the last-but-one are impossible

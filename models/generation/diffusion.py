@@ -177,13 +177,14 @@ def vocabulary_step(
     Elsewhere (a GPU) it is one compiled MLX function. ``scratch``, a dict the caller keeps from
     step to step, holds the numpy path's ``[B * C, V]`` work arrays: fresh ones cost a page fault
     per 4 KB on first touch, which was most of this function's time. Without ``keep_processed``
-    the numpy path hands back None for the processed logits instead of copying them into MLX (the
-    loop self-conditions on them only where the table is not float32).
+    None stands for the processed logits (the numpy path then skips copying them into MLX; the loop
+    self-conditions on them only where the table is not float32).
     """
     t = np.float32(temperature)
     if not fast_math.active():
         cap = mx.array(softcap or 0.0, dtype=mx.float32)
-        return _mlx_vocabulary_step(logits.astype(mx.float32), mx.array(t), cap, softcap is not None)
+        out = _mlx_vocabulary_step(logits.astype(mx.float32), mx.array(t), cap, softcap is not None)
+        return out if keep_processed else (None, *out[1:])
     x = np.asarray(logits.astype(mx.float32))
     V = x.shape[-1]
     rows = x.reshape(-1, V)
