@@ -266,7 +266,7 @@ void linear_chunk(void* ctx, int chunk) {
 
 // A weight stored transposed (a few rows of x): chunks of kTransposedColumns output columns, each
 // wide enough for the kernel's row streams (the rows of the weight are far apart), no packing; of
-// half the columns (rounded up to 32) where that is fewer, so that both cores take a narrow output
+// half the columns (rounded up to whole tiles) where that is fewer, so that both cores take a narrow output
 // (a canvas against DiffusionGemma's [V, H] table: 256 columns).
 constexpr int64_t kTransposedColumns = 4096;
 
@@ -278,7 +278,7 @@ void transposed_chunk(void* ctx, int chunk) {
 
 void run_linear(LinearJob j) {
   if (j.transposed) {
-    const int64_t half = ((j.N + 1) / 2 + 31) / 32 * 32;
+    const int64_t nb = j.kn.key_block(), half = ((j.N + 1) / 2 + nb - 1) / nb * nb;
     j.columns = half < kTransposedColumns ? half : kTransposedColumns;
     parallel_chunks(static_cast<int>((j.N + j.columns - 1) / j.columns), transposed_chunk, &j);
     return;

@@ -139,12 +139,19 @@ inline void values_tile(const float* p, int64_t ldp, const float* v, int64_t ldv
   }
 }
 
-// out[r, :] (+)= sum_j P[r, j] v[j, :] over keys [0, n) for M rows (P rows ldp apart, out rows Dv apart).
+// Query row i of head h (batch row b) in attention's output, [B, L, Hq, Dv]: rows of one head
+// out_stride(a) apart.
+inline float* out_row(const AttentionArgs& a, int64_t b, int64_t h, int64_t i) {
+  return a.out + ((b * a.L + i) * a.Hq + h) * a.Dv;
+}
+inline int64_t out_stride(const AttentionArgs& a) { return a.Hq * a.Dv; }
+
+// out[r, :] (+)= sum_j P[r, j] v[j, :] over keys [0, n) for M rows (P rows ldp apart, out rows out_stride(a) apart).
 template <int M>
 inline void values_rows(const AttentionArgs& a, const float* p, int64_t ldp, const float* v, int64_t n, float* out,
                         bool accumulate) {
   const int64_t full = a.Dv / NB * NB;
-  const int64_t ldo = a.Hq * a.Dv;  // out rows: positions of [B, L, Hq, Dv]
+  const int64_t ldo = out_stride(a);
   for (int64_t c0 = 0; c0 < full; c0 += NB) values_tile<M>(p, ldp, v, a.v_stride[2], n, c0, out, ldo, accumulate);
   for (int64_t c = full; c < a.Dv; ++c)  // columns past the last whole tile
     for (int r = 0; r < M; ++r) {
@@ -394,14 +401,14 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, 
     if (lo >= hi) {
       for (int64_t h = h0; h < h1; ++h)
         for (int64_t i = i0; i < i1; ++i)
-          for (int64_t c = 0; c < a.Dv; ++c) a.out[((b * a.L + i) * a.Hq + h) * a.Dv + c] = __builtin_nanf("");
+          for (int64_t c = 0; c < a.Dv; ++c) out_row(a, b, h, i)[c] = __builtin_nanf("");
       return;
     }
     first = lo, seen = hi;
   }
   const int64_t jb_first = first / NB, jb1 = (seen + NB - 1) / NB;
   const int64_t lds = imin(jb1 - jb_first, kKeyPanels) * NB;
-  const int64_t ldo = a.Hq * a.Dv;  // out rows: positions of [B, L, Hq, Dv]
+  const int64_t ldo = out_stride(a);
   const float* v = a.v + b * a.v_stride[0] + hk * a.v_stride[1];
   const float ninf = -__builtin_inff();
   float top[kGroupHeads][kBlockRows], sum[kGroupHeads][kBlockRows];
@@ -416,7 +423,7 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, 
     const float* vb = v + k0 * a.v_stride[2];
     for (int64_t h = h0; h < h1; ++h) {
       const float* q = a.q + b * a.q_stride[0] + h * a.q_stride[1] + i0 * a.q_stride[2];
-      float* out = a.out + ((b * a.L + i0) * a.Hq + h) * a.Dv;  // rows ldo apart
+      float* out = out_row(a, b, h, i0);
       float* head_top = top[h - h0];
       float* head_sum = sum[h - h0];
       // Scores: MR rows a tile, then the remainder.
@@ -463,7 +470,7 @@ void attention_block(const AttentionArgs& a, int64_t b, int64_t h0, int64_t h1, 
   }
   for (int64_t h = h0; h < h1; ++h)  // each row over its sum (0 when no key was visible: NaN)
     for (int64_t rr = 0; rr < rows; ++rr)
-      scale_row(a.out + ((b * a.L + i0 + rr) * a.Hq + h) * a.Dv, a.Dv, 1.0f / sum[h - h0][rr]);
+      scale_row(out_row(a, b, h, i0 + rr), a.Dv, 1.0f / sum[h - h0][rr]);
 }
 
 // Rows [r0, r1) of x [R, D]: y = x * (mean(x^2) + eps)^-1/2 * w (w may be null: no weight).
