@@ -82,9 +82,11 @@ def attention64(q, keys, values, start, size, scale, mask):
 
 
 @settings(max_examples=60, deadline=None)
-@given(B=st.integers(1, 2), Hkv=st.integers(1, 2), groups=st.integers(1, 4), D=st.sampled_from([8, 24, 64, 256]),
-       Dv=st.sampled_from([8, 64]), T=st.integers(1, 700), data=st.data(), isa=st.sampled_from(ISAS or ["portable"]))  # fmt: skip
+@given(B=st.integers(1, 2), Hkv=st.integers(1, 2), groups=st.integers(1, 9), D=st.sampled_from([8, 18, 24, 64, 256]),
+       Dv=st.sampled_from([8, 40, 64, 200]), T=st.integers(1, 700), data=st.data(), isa=st.sampled_from(ISAS or ["portable"]))  # fmt: skip
 def test_attention_matches_float64_over_a_run(B, Hkv, groups, D, Dv, T, data, isa):
+    """Query heads a kv head in groups of 8, 4, 2 and 1, head dims off the vector width, values in
+    column blocks and single vectors and a scalar tail."""
     size = data.draw(st.integers(1, T))
     start = data.draw(st.integers(0, T - size))
     masked = data.draw(st.sampled_from(["none", "one", "per_row", "tail"]))
@@ -106,6 +108,24 @@ def test_attention_matches_float64_over_a_run(B, Hkv, groups, D, Dv, T, data, is
                            None if mask is None else mx.array(mask), isa=isa)  # fmt: skip
     want = attention64(q, keys, values, start, size, scale, mask)
     np.testing.assert_allclose(np.array(got), want, rtol=0, atol=2e-6 * max(1.0, np.abs(want).max()))
+
+
+@pytest.mark.parametrize("isa", ISAS or ["portable"])
+def test_attention_never_reads_a_masked_row(isa):
+    """A masked row's storage may hold anything (a buffer's unwritten rows): NaN and inf there
+    change nothing, whether the row sits in a whole block of rows or in a tail."""
+    rng = np.random.default_rng(5)
+    T, D = 203, 64
+    q = rng.standard_normal((1, 8, 1, D)).astype(np.float32)
+    keys = rng.standard_normal((1, 1, T, D)).astype(np.float32)
+    values = rng.standard_normal((1, 1, T, D)).astype(np.float32)
+    mask = rng.random((1, T)) < 0.6
+    mask[:, -1] = True
+    want = attention64(q, keys, values, 0, T, 0.125, mask)
+    keys[:, :, ~mask[0]] = np.nan
+    values[:, :, ~mask[0]] = np.inf
+    got = decode.attention(mx.array(q), mx.array(keys), mx.array(values), mx.array(0), T, 0.125, mx.array(mask), isa=isa)
+    np.testing.assert_allclose(np.array(got), want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
 def test_attention_reads_strided_planes_in_place():

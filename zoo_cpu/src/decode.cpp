@@ -233,7 +233,7 @@ void attention_chunk(void* ctx, int chunk) {
 }
 
 constexpr int64_t kPartRows = 128;  // rows below which a part of the run is not worth a thread
-constexpr int64_t kMaxParts = 4;
+constexpr int64_t kMaxParts = 8;
 
 // The number of parts a run of `size` rows is split into (per batch row and kv head).
 int64_t parts_of(int64_t size) {

@@ -527,41 +527,161 @@ void gelu_gate(const float* up, const float* gate, int64_t i0, int64_t i1, float
   }
 }
 
+// Sums each of the W vectors t[0 .. W) across its lanes at once: afterwards lane e of t[0] holds
+// the sum of t[e]'s lanes. Each stage adds the block-swapped halves of a pair (swap_blocks), so that
+// a vector carries the partial sums of two rows side by side (an in-register transpose, summed).
+template <int B>
+inline void sum_across(vf* t) {
+  for (int r = 0; r < B; ++r) {
+    vf a = t[r], b = t[r + B];
+    swap_blocks<B>(a, b, std::make_integer_sequence<int, W>{});
+    t[r] = a + b;
+  }
+  if constexpr (B > 1) sum_across<B / 2>(t);
+}
+
+// The lanes of v summed in the order sum_across sums each of its vectors (so that a row's score
+// does not depend on whether it falls in a whole block of rows or in the rows after the last one).
+inline float sum_tree(vf v) {
+  for (int b = W / 2; b >= 1; b /= 2)
+    for (int i = 0; i < b; ++i) v[i] = v[i] + v[i + b];
+  return v[0];
+}
+
+// Decode attention streams every key and value row once from memory: the rows kDecodeAhead bytes
+// ahead are prefetched into L2 (the hardware prefetchers alone read them at half the rate), and
+// the values go kValueRows rows at a time.
+constexpr int64_t kDecodeAhead = 16384 / sizeof(float);  // floats
+constexpr int64_t kValueRows = 64;
+
+// Prefetches the row kDecodeAhead floats past `row` (n floats), a cache line at a time.
+inline void prefetch_ahead(const float* row, int64_t n) {
+  for (int64_t d = 0; d < n; d += 64 / sizeof(float)) __builtin_prefetch(row + kDecodeAhead + d, 0, 2);
+}
+
+// s[g * n + j] = scale * q_g . k_j for the GB query heads from g0 and the W / GB key rows from j0
+// (D a multiple of W): one accumulator per (row, head), each key vector loaded once for the GB
+// heads, the W dot products summed across their lanes together (a horizontal sum each was most
+// of a row's time).
+template <int GB>
+inline void scores_block(const float* q, int64_t D, const float* k, int64_t ldk, int64_t g0, int64_t j0, int64_t n,
+                         float scale, float* s) {
+  constexpr int RB = W / GB;
+  vf acc[W];
+  for (int a = 0; a < W; ++a) acc[a] = vf{};
+  for (int r = 0; r < RB; ++r) prefetch_ahead(k + (j0 + r) * ldk, D);
+  for (int64_t d = 0; d < D; d += W) {
+    vf qv[GB];
+    for (int g = 0; g < GB; ++g) qv[g] = load(q + (g0 + g) * D + d);
+    for (int r = 0; r < RB; ++r) {
+      const vf kv = load(k + (j0 + r) * ldk + d);
+      for (int g = 0; g < GB; ++g) acc[r * GB + g] += qv[g] * kv;
+    }
+  }
+  if constexpr (W > 1) sum_across<W / 2>(acc);
+  const vf sums = acc[0] * scale;
+  for (int r = 0; r < RB; ++r)
+    for (int g = 0; g < GB; ++g) s[(g0 + g) * n + j0 + r] = sums[r * GB + g];
+}
+
+// The scores of the GB heads from g0 over rows [0, n): whole blocks of W / GB rows, then row by row.
+template <int GB>
+inline void scores_heads(const float* q, int64_t D, const float* k, int64_t ldk, int64_t g0, int64_t n, float scale,
+                         float* s) {
+  constexpr int RB = W / GB;
+  int64_t j = 0;
+  if (D % W == 0)
+    for (; j + RB <= n; j += RB) scores_block<GB>(q, D, k, ldk, g0, j, n, scale, s);
+  const int64_t full = D / W * W;
+  for (; j < n; ++j)
+    for (int64_t g = g0; g < g0 + GB; ++g) {
+      const float* qg = q + g * D;
+      const float* kj = k + j * ldk;
+      vf acc = vf{};
+      for (int64_t d = 0; d < full; d += W) acc += load(qg + d) * load(kj + d);
+      float t = sum_tree(acc);
+      for (int64_t d = full; d < D; ++d) t += qg[d] * kj[d];
+      s[g * n + j] = t * scale;
+    }
+}
+
+// out[h * Dv + c] += sum_j s[h * n + j] v[j * ldv + c] for the HB heads from h0, rows [j0, j1)
+// in order (masked ones skipped) and the CB vectors of columns from c0, summed in registers
+// (storing the outputs after every row stalled the loads of the next rows' values, which lie at
+// the same offsets modulo 4 KiB). The first column block prefetches whole rows.
+template <int HB, int CB>
+inline void values_block(const float* s, int64_t n, const float* v, int64_t ldv, int64_t Dv, const uint8_t* mask,
+                         int64_t h0, int64_t j0, int64_t j1, int64_t c0, float* out) {
+  vf acc[HB][CB];
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < CB; ++c) acc[h][c] = load(out + (h0 + h) * Dv + c0 + c * W);
+  for (int64_t j = j0; j < j1; ++j) {
+    if (c0 == 0) prefetch_ahead(v + j * ldv, Dv);
+    if (mask && !mask[j]) continue;
+    const float* vj = v + j * ldv + c0;
+    vf vv[CB];
+    for (int c = 0; c < CB; ++c) vv[c] = load(vj + c * W);
+    for (int h = 0; h < HB; ++h) {
+      const vf e = splat(s[(h0 + h) * n + j]);
+      for (int c = 0; c < CB; ++c) acc[h][c] += vv[c] * e;
+    }
+  }
+  for (int h = 0; h < HB; ++h)
+    for (int c = 0; c < CB; ++c) store(out + (h0 + h) * Dv + c0 + c * W, acc[h][c]);
+}
+
+// The HB heads from h0 over rows [j0, j1): column blocks of 16 / HB vectors, then single vectors,
+// then the columns past the last whole vector.
+template <int HB>
+inline void values_heads(const float* s, int64_t n, const float* v, int64_t ldv, int64_t Dv, const uint8_t* mask,
+                         int64_t h0, int64_t j0, int64_t j1, float* out) {
+  constexpr int CB = HB == 4 ? 4 : 8;
+  const int64_t full = Dv / W * W;
+  int64_t c = 0;
+  for (; c + CB * W <= full; c += CB * W) values_block<HB, CB>(s, n, v, ldv, Dv, mask, h0, j0, j1, c, out);
+  for (; c < full; c += W) values_block<HB, 1>(s, n, v, ldv, Dv, mask, h0, j0, j1, c, out);
+  for (; c < Dv; ++c)
+    for (int64_t j = j0; j < j1; ++j) {
+      if (mask && !mask[j]) continue;
+      for (int64_t h = h0; h < h0 + HB; ++h) out[h * Dv + c] += s[h * n + j] * v[j * ldv + c];
+    }
+}
+
 // One part of a decode query's attention: G query rows q [G, D] (the query heads of one kv head)
 // against n key rows (k, ldk apart; v, ldv apart), keys with mask[j] == 0 left out (mask may be
-// null). For each query row g: the scaled scores in s[g * n ..], their max top[g], e^(s - top)
-// summed into sum[g], and out[g * Dv ..] = sum_j e_j v_j, not yet divided by the sum (the parts
-// of one query are merged by the caller). A part whose keys are all masked has top -inf, sum 0.
+// null; a masked row's key and value are never used, so its storage may hold anything). For each
+// query row g: the scaled scores in s[g * n ..], their max top[g], e^(s - top) summed into sum[g],
+// and out[g * Dv ..] = sum_j e_j v_j, not yet divided by the sum (the parts of one query are
+// merged by the caller). A part whose keys are all masked has top -inf, sum 0. Heads go in groups
+// of 8, 4, 2 or 1 (at most W / 2, so that a group's accumulators and query vectors fit the
+// registers).
 void decode_attention_part(const float* q, int64_t G, int64_t D, const float* k, int64_t ldk, const float* v,
                            int64_t ldv, int64_t Dv, int64_t n, const uint8_t* mask, float scale, float* s, float* out,
                            float* top, float* sum) {
   const float ninf = -__builtin_inff();
-  const int64_t full = D / W * W;
-  for (int64_t j = 0; j < n; ++j) {
-    const float* kj = k + j * ldk;
-    if (mask && !mask[j]) {
-      for (int64_t g = 0; g < G; ++g) s[g * n + j] = ninf;
-      continue;
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      vf acc = vf{};
-      for (int64_t d = 0; d < full; d += W) acc += load(qg + d) * load(kj + d);
-      float t = hsum(acc);
-      for (int64_t d = full; d < D; ++d) t += qg[d] * kj[d];
-      s[g * n + j] = t * scale;
-    }
-  }
-  const int64_t nfull = n / W * W, dfull = Dv / W * W;
-  for (int64_t g = 0; g < G; ++g) {
-    float* row = s + g * n;
-    float m = ninf;
-    for (int64_t j = 0; j < n; ++j) m = row[j] > m ? row[j] : m;
-    top[g] = m;
-    float* o = out + g * Dv;
+  int64_t g = 0;
+  if constexpr (W >= 16)
+    for (; g + 8 <= G; g += 8) scores_heads<8>(q, D, k, ldk, g, n, scale, s);
+  if constexpr (W >= 8)
+    for (; g + 4 <= G; g += 4) scores_heads<4>(q, D, k, ldk, g, n, scale, s);
+  for (; g + 2 <= G; g += 2) scores_heads<2>(q, D, k, ldk, g, n, scale, s);
+  for (; g < G; ++g) scores_heads<1>(q, D, k, ldk, g, n, scale, s);
+  if (mask)
+    for (int64_t j = 0; j < n; ++j)
+      if (!mask[j])
+        for (int64_t h = 0; h < G; ++h) s[h * n + j] = ninf;
+  const int64_t nfull = n / W * W;
+  for (int64_t h = 0; h < G; ++h) {
+    float* row = s + h * n;
+    vf mv = splat(ninf);
+    for (int64_t j = 0; j < nfull; j += W) mv = vmax(mv, load(row + j));
+    float m = hmax(mv);
+    for (int64_t j = nfull; j < n; ++j) m = row[j] > m ? row[j] : m;
+    top[h] = m;
+    float* o = out + h * Dv;
     for (int64_t c = 0; c < Dv; ++c) o[c] = 0.0f;
     if (m == ninf) {
-      sum[g] = 0.0f;
+      sum[h] = 0.0f;
       continue;
     }
     vf acc = vf{};
@@ -575,16 +695,14 @@ void decode_attention_part(const float* q, int64_t G, int64_t D, const float* k,
       row[j] = exp_nonpositive(splat(row[j] - m))[0];
       total += row[j];
     }
-    sum[g] = total;
+    sum[h] = total;
   }
-  for (int64_t j = 0; j < n; ++j) {
-    const float* vj = v + j * ldv;
-    for (int64_t g = 0; g < G; ++g) {
-      const float e = s[g * n + j];
-      if (e == 0.0f) continue;
-      float* o = out + g * Dv;
-      for (int64_t c = 0; c < dfull; c += W) store(o + c, load(o + c) + load(vj + c) * e);
-      for (int64_t c = dfull; c < Dv; ++c) o[c] += vj[c] * e;
-    }
+  for (int64_t j0 = 0; j0 < n; j0 += kValueRows) {
+    const int64_t j1 = imin(j0 + kValueRows, n);
+    int64_t h = 0;
+    if constexpr (W >= 8)
+      for (; h + 4 <= G; h += 4) values_heads<4>(s, n, v, ldv, Dv, mask, h, j0, j1, out);
+    for (; h + 2 <= G; h += 2) values_heads<2>(s, n, v, ldv, Dv, mask, h, j0, j1, out);
+    for (; h < G; ++h) values_heads<1>(s, n, v, ldv, Dv, mask, h, j0, j1, out);
   }
 }
