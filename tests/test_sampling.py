@@ -69,3 +69,40 @@ def test_a_top_k_past_the_vocabulary_in_process(tmp_path):
 
     assert tokens(top_k=300_000, seed=5) == tokens(seed=5)
     assert len(tokens()) == 6
+
+
+@pytest.mark.parametrize("options", [
+    dict(top_k=1), dict(top_k=64), dict(top_k=64, top_p=0.95), dict(top_k=40, top_p=0.3), dict(top_k=20, min_p=0.05),
+    dict(top_k=64, top_p=0.8, min_p=0.02), dict(top_k=299, top_p=0.999),
+])  # fmt: skip
+@pytest.mark.parametrize("V, scale", [(300, 3.0), (300, 0.2), (262_144, 4.0)])
+def test_top_k_candidates_keep_what_the_filters_keep(options, V, scale):
+    """A draw among the top k sees the same tokens, with the same log-probabilities, as the filters
+    over the whole vocabulary (peaked and flat distributions, a nucleus inside and past the top k)."""
+    from models.generation.generate import top_k_candidates
+
+    logits = mx.array(np.random.default_rng(V).standard_normal((1, V)).astype(np.float32) * scale)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    o = SamplingOptions(temp=1.0, **options)
+    values, ids = top_k_candidates(logprobs, o)
+    values, ids = np.array(values)[0], np.array(ids)[0]
+    assert len(ids) == o.top_k and np.all(np.diff(values[np.isfinite(values)]) <= 0)
+    full = np.array(filter_logprobs(logprobs, o))[0]
+    kept = np.flatnonzero(np.isfinite(full))
+    assert sorted(ids[np.isfinite(values)].tolist()) == kept.tolist()
+    np.testing.assert_array_equal(np.sort(values[np.isfinite(values)]), np.sort(full[kept]))
+
+
+def test_a_top_k_draw_follows_the_filtered_distribution():
+    """Draws among the candidates land on the filtered tokens in proportion to their probabilities
+    at the temperature (2,000 seeded draws, within 4 standard deviations)."""
+    logits = mx.array(np.random.default_rng(7).standard_normal((1, 50)).astype(np.float32) * 2)
+    o = SamplingOptions(temp=0.8, top_k=6, top_p=0.9, seed=11)
+    sampler = TokenSampler(o)
+    draws = np.array([sampler(logits).item() for _ in range(2000)])
+    filtered = np.array(filter_logprobs(logits - mx.logsumexp(logits, axis=-1, keepdims=True), o))[0] / o.temp
+    p = np.exp(filtered - filtered.max())
+    p /= p.sum()
+    counts = np.bincount(draws, minlength=50) / len(draws)
+    assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(p))
+    np.testing.assert_array_less(np.abs(counts - p), 4 * np.sqrt(p * (1 - p) / len(draws)) + 1e-9)

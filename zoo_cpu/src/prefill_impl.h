@@ -606,9 +606,9 @@ inline void scores_heads(const float* q, int64_t D, const float* k, int64_t ldk,
 }
 
 // out[h * Dv + c] += sum_j s[h * n + j] v[j * ldv + c] for the HB heads from h0, rows [j0, j1)
-// in order (masked ones skipped) and the CB vectors of columns from c0, summed in registers
-// (storing the outputs after every row stalled the loads of the next rows' values, which lie at
-// the same offsets modulo 4 KiB). The first column block prefetches whole rows.
+// in order (masked ones skipped) and the CB vectors of columns from c0, summed in registers (a
+// load and store of the outputs every few rows ran at a third of the rate, docs/long_context.md).
+// The first column block prefetches whole rows.
 template <int HB, int CB>
 inline void values_block(const float* s, int64_t n, const float* v, int64_t ldv, int64_t Dv, const uint8_t* mask,
                          int64_t h0, int64_t j0, int64_t j1, int64_t c0, float* out) {
