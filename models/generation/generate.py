@@ -28,7 +28,7 @@ import mlx.core as mx
 from cache import cache_offset, quantize_caches, trim_cache
 from models.generation.processors import REPETITION_CONTEXT, logits_processors
 from models.generation.prompts import ImageSpan, prefill_chunks
-from zoo_cpu import fast_math
+from zoo_cpu import backend, decode, fast_math
 
 DEFAULT_PREFILL_STEP = 512
 KV_BITS = (2, 3, 4, 5, 6, 8)
@@ -246,27 +246,32 @@ def filter_logprobs(logprobs: mx.array, options: SamplingOptions) -> mx.array:
 
 
 def top_k_candidates(logprobs: mx.array, options: SamplingOptions) -> tuple[mx.array, mx.array]:
-    """What ``filter_logprobs`` keeps, read off the ``top_k`` most likely tokens only (for
-    ``0 < top_k < V``): their log-probabilities from the most likely down, ``-inf`` where top-p or
-    min-p rules them out, and their ids, each ``[..., top_k]``.
+    """What ``filter_logprobs`` keeps of normalised ``logprobs``, read off the ``top_k`` most likely
+    tokens only (for ``0 < top_k < V``): their log-probabilities from the most likely down, ``-inf``
+    where top-p or min-p rules them out, and their ids, each ``[..., top_k]``.
 
     The filters keep nothing outside the top k, so a draw among these is a draw from the filtered
     distribution, without sorting the whole vocabulary (``mx.sort`` of 262,144 words is ~25 ms on
     two CPU cores, the full filter chain ~35 ms a token: more than a 270M decode step). Top-p's
-    masses above each candidate are summed in mlx-lm's order (from the most likely down); its
-    total is the sum over every token (mlx-lm sums it in sorted order, so a candidate whose mass
-    lies within rounding of ``top_p * total`` can fall either side). Tokens tied at the k-th value
-    are chosen between as ``mx.argpartition`` breaks the tie, as in ``filter_logprobs``."""
+    masses above each candidate are summed in mlx-lm's order (from the most likely down) and
+    compared with ``top_p`` itself: ``logprobs`` are normalised (mlx-lm compares with ``top_p``
+    times its float32 sum of all 262,144 probabilities in sorted order, which is 1 only to within
+    its rounding, so a candidate whose mass lies that close to ``top_p`` can fall either side of
+    the two). The candidates come from the extension's ``zoo_cpu.decode.top_k`` where the decode
+    kernels run (ties at the k-th value to the lower id), else from ``mx.argpartition`` (ties
+    broken as in ``filter_logprobs``)."""
     k = options.top_k
-    ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
-    values = mx.take_along_axis(logprobs, ids, axis=-1)
-    order = mx.argsort(-values, axis=-1)
-    ids, values = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
+    if backend.active().decode and logprobs.dtype == mx.float32:  # one pass on both cores, ties to the lower id
+        values, ids = decode.top_k(logprobs, k)
+    else:
+        ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
+        values = mx.take_along_axis(logprobs, ids, axis=-1)
+        order = mx.argsort(-values, axis=-1)
+        ids, values = mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(values, order, axis=-1)
     if 0 < options.top_p < 1.0:
         probs = mx.exp(values.astype(mx.float32))
         above = mx.cumsum(probs, axis=-1, inclusive=False)  # the mass of the more likely candidates
-        total = mx.sum(fast_math.exp_shifted(logprobs, mx.array(0.0)), axis=-1, keepdims=True)
-        kept = (above < options.top_p * total).sum(axis=-1, keepdims=True)  # the most likely is always kept
+        kept = (above < options.top_p).sum(axis=-1, keepdims=True)  # the most likely is always kept
         threshold = mx.take_along_axis(values, kept - 1, axis=-1)
         values = mx.where(values < threshold, -float("inf"), values)
     if options.min_p != 0.0:

@@ -45,6 +45,8 @@ NB_MODULE(_packed, m) {
         "k_biases"_a, "v_packed"_a, "v_scales"_a, "v_biases"_a, "start"_a, "size"_a, "scale"_a, "mask"_a = nb::none(),
         "bits"_a = 8, "group_size"_a = 64, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "decode_attention over mx.quantize's key and value planes (4 or 8 bits), the codes read in place");
+  m.def("top_k", &zoo::top_k, "x"_a, "k"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "the k largest values of x's last axis from the largest down and their indices (uint32), float32");
   m.def("decode_attention_rows", &zoo::decode_attention_rows, "q"_a, "planes"_a, "starts"_a, "sizes"_a, "scale"_a,
         "bits"_a = 0, "group_size"_a = 64, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "one query per batch row over a run of that row's own key and value planes (float, or 4/8-bit quantized)");
