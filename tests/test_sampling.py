@@ -106,3 +106,13 @@ def test_a_top_k_draw_follows_the_filtered_distribution():
     counts = np.bincount(draws, minlength=50) / len(draws)
     assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(p))
     np.testing.assert_array_less(np.abs(counts - p), 4 * np.sqrt(p * (1 - p) / len(draws)) + 1e-9)
+
+
+def test_greedy_tokens_are_mlx_argmax():
+    """The greedy pick is MLX's argmax, the first of tied maxima included, over rows of any shape."""
+    from models.generation.generate import greedy_tokens
+
+    x = mx.array(np.round(np.random.default_rng(2).standard_normal((3, 5, 1000)).astype(np.float32)))
+    assert np.array_equal(np.array(greedy_tokens(x)), np.array(mx.argmax(x, axis=-1)))
+    logits = mx.array(np.random.default_rng(3).standard_normal((1, 262_144)).astype(np.float32))
+    assert greedy_tokens(logits).item() == mx.argmax(logits, axis=-1).item()

@@ -245,6 +245,15 @@ def filter_logprobs(logprobs: mx.array, options: SamplingOptions) -> mx.array:
     return logprobs
 
 
+def greedy_tokens(logits: mx.array) -> mx.array:
+    """The argmax of ``logits [..., V]`` (the first of equal maxima): the extension's ``top_k`` of one
+    where the decode kernels run (one pass on both cores, 0.1 ms over 262,144 words, where MLX's
+    argmax is a one-core loop of 0.27 ms), else ``mx.argmax``."""
+    if backend.active().decode and logits.dtype == mx.float32:
+        return decode.top_k(logits, 1)[1][..., 0]
+    return mx.argmax(logits, axis=-1)
+
+
 def top_k_candidates(logprobs: mx.array, options: SamplingOptions) -> tuple[mx.array, mx.array]:
     """What ``filter_logprobs`` keeps of normalised ``logprobs``, read off the ``top_k`` most likely
     tokens only (for ``0 < top_k < V``): their log-probabilities from the most likely down, ``-inf``
@@ -332,7 +341,7 @@ class TokenSampler:
         logprobs = fast_math.log_softmax(logits) if self.keep_logprobs or self.options.temp != 0 else None
         self.logprobs = logprobs if self.keep_logprobs else None
         if self.options.temp == 0:  # greedy: the argmax needs no normalising
-            token = mx.argmax(logits, axis=-1)
+            token = greedy_tokens(logits)
         elif 0 < self.options.top_k < logprobs.shape[-1]:  # a draw among the top k (top_k_candidates)
             values, ids = top_k_candidates(logprobs, self.options)
             pick = mx.random.categorical(values * (1.0 / self.options.temp), key=self.keys())

@@ -31,6 +31,7 @@ from graphs.gemma4_assistant_config import DrafterMismatchError
 
 from models.generation.generate import (
     DEFAULT_PREFILL_STEP, GenerationOptionError, LoopOptions, RandomKeys, SamplingOptions, TokenLoop, check_positive_int, filter_logprobs,
+    greedy_tokens,
 )  # fmt: skip
 from models.generation.prompt_lookup import PromptLookupDrafter
 from zoo_cpu import fast_math
@@ -253,7 +254,7 @@ def speculative_tokens(target, drafter, prompt_ids: Sequence[int], cache: list, 
     def choose(logits: mx.array):
         """A token from logits ``[V]`` and the distribution it was drawn from (None when greedy)."""
         if greedy:
-            return mx.argmax(logits, axis=-1), None
+            return greedy_tokens(logits), None
         probs = distribution(logits, sampling)
         return _sample(probs, keys), probs
 
@@ -296,7 +297,7 @@ def speculative_tokens(target, drafter, prompt_ids: Sequence[int], cache: list, 
             counts.target_steps += 1
             counts.drafted += k
             if greedy:
-                wanted = mx.argmax(verify, axis=-1)
+                wanted = greedy_tokens(verify)
                 mx.eval(wanted, *drafts)
                 wanted = np.array(wanted).tolist()
                 proposed = [int(d.item()) for d in drafts]
