@@ -10,7 +10,11 @@ Workload: a ``--prompt``-token prompt (BOS + random ids in [1000, 200000),
 ``numpy.random.default_rng(0)``, the same for every stack), then ``--gen`` greedy tokens with EOS
 ignored; one short warm-up (64 + 8) and ``--runs`` timed runs per process. ``--prompt-tokens``
 runs the whole table at each of several prompt lengths (long contexts: the decode ceiling then
-counts the keys and values every step reads).
+counts the keys and values every step reads). ``--sampling checkpoint`` draws the tokens as the
+checkpoint's ``generation_config.json`` asks (Gemma: temperature 1, top_k 64, top_p 0.95), each
+stack with its own sampler (ours ``TokenSampler``, mlx-lm ``make_sampler``, transformers
+``generate(do_sample=True)``, llama.cpp ``Llama.sample``): what a chat or a server runs by default;
+``--sampling greedy,checkpoint`` makes a table of each.
 prefill tok/s = prompt / time to first token; decode tok/s = (n - 1) / (last token - first token).
 Peak memory is the process's peak RSS (``getrusage``: Python, libraries, weights, caches). Each
 cell is the median of the runs with the [min-max] range: a shared machine is noisy.
@@ -64,6 +68,9 @@ STACKS = ("ours", "ours 8-bit", "ours 4-bit", "mlx-lm stock", "mlx-lm + BLAS", "
 # Our quantized rows: stack -> bits, on a folder from quantized_folder() under the zoo's policy for
 # those bits (models.zoo.QUANTIZED_270M; for the 270M the zoo's gemma-3-270m-8bit / -4bit).
 QUANTIZED = {"ours 8-bit": 8, "ours 4-bit": 4}
+# --sampling checkpoint: what the released Gemma 3 and 4 checkpoints' generation_config.json asks
+# (do_sample, top_k 64, top_p 0.95, transformers' temperature 1.0).
+CHECKPOINT_SAMPLING = {"temp": 1.0, "top_k": 64, "top_p": 0.95}
 # name -> (stack, extra environment, child options); the ablations run on the 270M only.
 ABLATIONS = {
     "ours (all on)": ("ours", {}, {}),
@@ -172,6 +179,7 @@ def child(stack: str, folder: str, n_prompt: int, gen: int, runs: int, options: 
     run = {"ours": run_ours, "ours 8-bit": run_ours, "ours 4-bit": run_ours, "mlx-lm stock": run_mlx_lm,
            "mlx-lm + BLAS": run_mlx_lm, "torch": run_torch, "llama.cpp": run_llama}[stack]  # fmt: skip
     state = setup(stack, Path(folder), options)
+    state["sampling"] = options.get("sampling")
     run(state, prompt[:64], 8)  # warm-up
     results = [run(state, prompt, gen) for _ in range(runs)]
     if stack in PEERS:
@@ -279,13 +287,15 @@ def setup(stack: str, folder: Path, options: dict) -> dict:
 
 
 def run_ours(state: dict, prompt: list[int], gen: int):
-    from models.generation.generate import generate_tokens
+    from models.generation.generate import SamplingOptions, generate_tokens
 
     model = state["model"]
     cache = model.make_cache()
     start = time.perf_counter()
     overlap = state["overlap"] if state.get("overlap") is not None else model.overlap  # the plan's, as Model.stream
-    tokens = generate_tokens(model.forward, prompt, cache, max_tokens=gen, overlap=overlap)
+    sampling = SamplingOptions(**state["sampling"]) if state.get("sampling") else None
+    # Model.stream's loop: _forward (ids checked once, not waited for at every token)
+    tokens = generate_tokens(model._forward, prompt, cache, max_tokens=gen, overlap=overlap, sampling=sampling)
     ids = [next(tokens)]
     first = time.perf_counter()
     ids += list(tokens)
@@ -296,8 +306,14 @@ def run_mlx_lm(state: dict, prompt: list[int], gen: int):
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
+    sampler = None
+    if state.get("sampling"):
+        from mlx_lm.sample_utils import make_sampler
+
+        o = state["sampling"]
+        sampler = make_sampler(temp=o["temp"], top_p=o["top_p"], top_k=o["top_k"])
     start = time.perf_counter()
-    steps = generate_step(mx.array(prompt), state["model"], max_tokens=gen)
+    steps = generate_step(mx.array(prompt), state["model"], max_tokens=gen, sampler=sampler)
     ids = [int(next(steps)[0])]
     first = time.perf_counter()
     ids += [int(t) for t, _ in steps]
@@ -323,9 +339,11 @@ def run_torch(state: dict, prompt: list[int], gen: int):
     streamer = FirstToken()
     start = time.perf_counter()
     with torch.no_grad():
+        o = state.get("sampling")
+        drawn = dict(do_sample=True, temperature=o["temp"], top_k=o["top_k"], top_p=o["top_p"]) if o else dict(do_sample=False)
         out = state["model"].generate(
-            torch.tensor([prompt]), do_sample=False, max_new_tokens=gen, min_new_tokens=gen, eos_token_id=None,
-            pad_token_id=0, streamer=streamer,
+            torch.tensor([prompt]), max_new_tokens=gen, min_new_tokens=gen, eos_token_id=None, pad_token_id=0,
+            streamer=streamer, **drawn,
         )
     end = time.perf_counter()
     ids = out[0, len(prompt):].tolist()
@@ -341,7 +359,11 @@ def run_llama(state: dict, prompt: list[int], gen: int):
     start = time.perf_counter()
     llm.eval(prompt)
 
+    o = state.get("sampling")
+
     def argmax() -> int:
+        if o:  # llama.cpp's own sampler chain, nothing but the checkpoint's filters on
+            return int(llm.sample(top_k=o["top_k"], top_p=o["top_p"], min_p=0.0, temp=o["temp"], repeat_penalty=1.0))
         logits = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
         return int(np.argmax(np.ctypeslib.as_array(logits, shape=(llm.n_vocab(),))))
 
@@ -450,6 +472,8 @@ def main() -> None:
                         help="run the whole list of stacks this many times, interleaved (a noisy box: "
                              "a slow spell then hits every stack, not one); cells pool all runs")  # fmt: skip
     parser.add_argument("--only", default="", help="run only the rows whose name contains this text")
+    parser.add_argument("--sampling", default="greedy",
+                        help="comma-separated: greedy, checkpoint (temperature 1, top_k 64, top_p 0.95, each stack's sampler); a table each")
     parser.add_argument("--out", help="also write the tables (markdown) to this file")
     parser.add_argument("--smoke", action="store_true", help=smoke.HELP)
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -462,11 +486,14 @@ def main() -> None:
     if args.smoke:
         args.prompt_tokens, args.gen, args.runs, args.rounds = "32", 4, 1, 1
     lengths = [int(n) for n in (args.prompt_tokens or str(args.prompt)).split(",")]
+    modes = [m.strip() for m in args.sampling.split(",") if m.strip()]
+    if not modes or set(modes) - {"greedy", "checkpoint"}:
+        parser.error(f"--sampling takes greedy and/or checkpoint, got {args.sampling!r}")
     record = smoke.Record("speed")
     bandwidth = bandwidth_gbs(gib=0.125 if args.smoke else 1.0)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     load = os.getloadavg()[0]
-    out = [f"{args.gen} greedy tokens after prompts of {', '.join(map(str, lengths))} tokens, median [range] of "
+    out = [f"{args.gen} tokens ({' and '.join(modes)}) after prompts of {', '.join(map(str, lengths))} tokens, median [range] of "
            f"{args.runs} runs per process{f' x {args.rounds} interleaved rounds' if args.rounds > 1 else ''}; "
            f"memory-bandwidth ceiling measured now: {bandwidth:.1f} GB/s (numpy read, 2 threads, best of 7); load average "
            f"at start {load:.1f} on {os.cpu_count()} CPUs."]  # fmt: skip
@@ -476,8 +503,11 @@ def main() -> None:
         folder = smoke.tiny_checkpoint(key) if args.smoke else folder_of()
         title = f"{title.split(' (')[0]} (tiny random, smoke)" if args.smoke else title
         _, config = weights_per_token(folder)
-        for n_prompt in lengths:
+        for n_prompt, mode in [(n, m) for n in lengths for m in modes]:
             args.prompt = n_prompt
+            drawn = {"sampling": CHECKPOINT_SAMPLING} if mode == "checkpoint" else {}
+            suffix = ", sampled as the checkpoint asks" if drawn else ""
+            tag = " sampled" if drawn else ""
             mean_position = n_prompt + args.gen // 2
             kv_of = lambda item, c=config, m=mean_position: kv_bytes_per_token(c, m, item)  # noqa: E731
             rows = {}
@@ -491,19 +521,19 @@ def main() -> None:
                     if stack == "llama.cpp" and not _installed("llama_cpp"):
                         rows[name] = {"skipped": "llama-cpp-python is not installed (optional)"}
                         continue
-                    print(f"  {title}, prompt {n_prompt}: {name} (round {round_ + 1}/{args.rounds}) ...", flush=True)
+                    print(f"  {title}, prompt {n_prompt}{suffix}: {name} (round {round_ + 1}/{args.rounds}) ...", flush=True)
                     path = quantized_folder(folder, QUANTIZED[stack]) if stack in QUANTIZED else folder
                     if stack == "llama.cpp":  # the real 270M's GGUF, also in a smoke run (no tiny GGUF exists)
                         path = gemma3_gguf()
                         options = {**options, "n_ctx": max(n_prompt, 64) + max(args.gen, 8) + 8}
-                    result = spawn(stack, path, args, env, options)
+                    result = spawn(stack, path, args, env, {**options, **drawn})
                     rows[name] = merge(rows.get(name), result)
             if rows:
-                text = table(f"{title}, prompt {n_prompt}", rows, "ours (all on)" if args.ablations else "ours", bandwidth, kv_of)
+                text = table(f"{title}, prompt {n_prompt}{suffix}", rows, "ours (all on)" if args.ablations else "ours", bandwidth, kv_of)
                 print(text, flush=True)
                 out.append(text)
             for name, r in rows.items():
-                label = f"{key} {name}"
+                label = f"{key} {name}{tag}"
                 peer = name in PEERS or name.startswith("mlx-lm")
                 if "error" in r or "skipped" in r:
                     package = {"llama.cpp": "llama_cpp", "torch": "torch"}.get(name, "mlx_lm" if peer else None)
@@ -512,7 +542,8 @@ def main() -> None:
                     record.row(label, r["ids"], ours=not peer, prefill=statistics.median(r["prefill"]),
                                decode=statistics.median(r["decode"]))  # fmt: skip
             # float32 on the same weights, greedy: the same tokens (llama.cpp, bf16 and quantized rows differ by design)
-            record.agree(*(f"{key} {name}" for name in ("ours", "mlx-lm + BLAS", "torch") if name in rows))
+            if not drawn:
+                record.agree(*(f"{key} {name}" for name in ("ours", "mlx-lm + BLAS", "torch") if name in rows))
     if args.out:
         Path(args.out).write_text("\n\n".join(out) + "\n")
     if args.smoke:

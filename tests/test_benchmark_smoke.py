@@ -31,7 +31,7 @@ BENCHMARKS = {
     "prefill": [],  # 36 s
     "prompt_lookup": [],  # a tiny random Gemma 3: plain and prompt-lookup greedy agree
     "speculative": [],  # a tiny random Gemma 4 target for the assistant
-    "speed": ["--models", "gemma3"],  # 70 s: 6 stacks, each in its own process (Gemma 4: gemma4_text_vs_mlx_lm)
+    "speed": ["--models", "gemma3", "--sampling", "greedy,checkpoint"],  # 140 s: 6 stacks, each in its own process, greedy then sampled (Gemma 4: gemma4_text_vs_mlx_lm)
 }
 # benchmarks whose smoke mode needs real assets or a large checkpoint (built once, minutes)
 SLOW = {
