@@ -116,3 +116,13 @@ def test_greedy_tokens_are_mlx_argmax():
     assert np.array_equal(np.array(greedy_tokens(x)), np.array(mx.argmax(x, axis=-1)))
     logits = mx.array(np.random.default_rng(3).standard_normal((1, 262_144)).astype(np.float32))
     assert greedy_tokens(logits).item() == mx.argmax(logits, axis=-1).item()
+
+
+def test_speculative_distributions_from_the_candidates_equal_the_full_filters():
+    """Speculative decoding's per-row distributions, read off the top k, are the full filters'."""
+    from models.generation.speculative import distribution
+
+    logits = mx.array(np.random.default_rng(4).standard_normal((3, 1000)).astype(np.float32) * 2)
+    for o in (SamplingOptions(temp=0.7, top_k=20, top_p=0.9), SamplingOptions(temp=1.3, top_k=64, min_p=0.05)):
+        want = mx.softmax(filter_logprobs(logits - mx.logsumexp(logits, axis=-1, keepdims=True), o) * (1.0 / o.temp), axis=-1)
+        np.testing.assert_allclose(np.array(distribution(logits, o)), np.array(want), rtol=0, atol=1e-6)

@@ -31,7 +31,7 @@ from graphs.gemma4_assistant_config import DrafterMismatchError
 
 from models.generation.generate import (
     DEFAULT_PREFILL_STEP, GenerationOptionError, LoopOptions, RandomKeys, SamplingOptions, TokenLoop, check_positive_int, filter_logprobs,
-    greedy_tokens,
+    greedy_tokens, top_k_candidates,
 )  # fmt: skip
 from models.generation.prompt_lookup import PromptLookupDrafter
 from zoo_cpu import fast_math
@@ -61,9 +61,15 @@ class SpeculationCounts:
 # ---------------------------------------------------------------------------------------- distributions
 def distribution(logits: mx.array, options: SamplingOptions) -> mx.array:
     """The probabilities ``[..., V]`` mlx-lm's sampler draws from for ``options`` (temp > 0): its
-    filters (top-p, min-p, top-k, in its order) on the log-probabilities, then ``softmax(x / temp)``."""
-    logprobs = filter_logprobs(fast_math.log_softmax(logits.astype(mx.float32)), options)
-    return mx.softmax(logprobs * (1.0 / options.temp), axis=-1)
+    filters (top-p, min-p, top-k, in its order) on the log-probabilities, then ``softmax(x / temp)``.
+    With ``top_k`` set the filters are read off the top k alone (``top_k_candidates``: no sort of
+    the vocabulary for every verified row) and the rest of the vocabulary gets 0."""
+    logprobs = fast_math.log_softmax(logits.astype(mx.float32))
+    if 0 < options.top_k < logprobs.shape[-1]:
+        values, ids = top_k_candidates(logprobs, options)
+        probs = mx.softmax(values * (1.0 / options.temp), axis=-1)
+        return mx.put_along_axis(mx.zeros_like(logprobs), ids, probs, axis=-1)
+    return mx.softmax(filter_logprobs(logprobs, options) * (1.0 / options.temp), axis=-1)
 
 
 def _sample(probs: mx.array, keys: RandomKeys) -> mx.array:
