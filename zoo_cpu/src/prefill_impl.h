@@ -630,12 +630,13 @@ inline void values_block(const float* s, int64_t n, const float* v, int64_t ldv,
     for (int c = 0; c < CB; ++c) store(out + (h0 + h) * Dv + c0 + c * W, acc[h][c]);
 }
 
-// The HB heads from h0 over rows [j0, j1): column blocks of 16 / HB vectors, then single vectors,
+// The HB heads from h0 over rows [j0, j1): column blocks of CB vectors (HB x CB accumulators and CB
+// value vectors within AVX-512's 32 registers, or the 16 of AVX2 and SSE), then single vectors,
 // then the columns past the last whole vector.
 template <int HB>
 inline void values_heads(const float* s, int64_t n, const float* v, int64_t ldv, int64_t Dv, const uint8_t* mask,
                          int64_t h0, int64_t j0, int64_t j1, float* out) {
-  constexpr int CB = HB == 4 ? 4 : 8;
+  constexpr int CB = W >= 16 ? (HB == 4 ? 4 : 8) : (HB == 4 ? 2 : 4);
   const int64_t full = Dv / W * W;
   int64_t c = 0;
   for (; c + CB * W <= full; c += CB * W) values_block<HB, CB>(s, n, v, ldv, Dv, mask, h0, j0, j1, c, out);
