@@ -76,11 +76,19 @@ def test_a_top_k_past_the_vocabulary_in_process(tmp_path):
     dict(top_k=64, top_p=0.8, min_p=0.02), dict(top_k=299, top_p=0.999),
 ])  # fmt: skip
 @pytest.mark.parametrize("V, scale", [(300, 3.0), (300, 0.2), (262_144, 4.0)])
-def test_top_k_candidates_keep_what_the_filters_keep(options, V, scale):
+@pytest.mark.parametrize("plan", ["cpu", "accelerator"])
+def test_top_k_candidates_keep_what_the_filters_keep(options, V, scale, plan):
     """A draw among the top k sees the same tokens, with the same log-probabilities, as the filters
-    over the whole vocabulary (peaked and flat distributions, a nucleus inside and past the top k)."""
+    over the whole vocabulary (peaked and flat distributions, a nucleus inside and past the top k),
+    through the extension's top_k (the CPU plan's) and through MLX's argpartition (the accelerator's)."""
     from models.generation.generate import top_k_candidates
+    from zoo_cpu import backend
 
+    with backend.using(backend.for_cpu() if plan == "cpu" else backend.MLX):
+        check_candidates(top_k_candidates, options, V, scale)
+
+
+def check_candidates(top_k_candidates, options, V, scale):
     logits = mx.array(np.random.default_rng(V).standard_normal((1, V)).astype(np.float32) * scale)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     o = SamplingOptions(temp=1.0, **options)
@@ -108,14 +116,18 @@ def test_a_top_k_draw_follows_the_filtered_distribution():
     np.testing.assert_array_less(np.abs(counts - p), 4 * np.sqrt(p * (1 - p) / len(draws)) + 1e-9)
 
 
-def test_greedy_tokens_are_mlx_argmax():
-    """The greedy pick is MLX's argmax, the first of tied maxima included, over rows of any shape."""
+@pytest.mark.parametrize("plan", ["cpu", "accelerator"])
+def test_greedy_tokens_are_mlx_argmax(plan):
+    """The greedy pick is MLX's argmax, the first of tied maxima included, over rows of any shape,
+    under both plans."""
     from models.generation.generate import greedy_tokens
+    from zoo_cpu import backend
 
     x = mx.array(np.round(np.random.default_rng(2).standard_normal((3, 5, 1000)).astype(np.float32)))
-    assert np.array_equal(np.array(greedy_tokens(x)), np.array(mx.argmax(x, axis=-1)))
     logits = mx.array(np.random.default_rng(3).standard_normal((1, 262_144)).astype(np.float32))
-    assert greedy_tokens(logits).item() == mx.argmax(logits, axis=-1).item()
+    with backend.using(backend.for_cpu() if plan == "cpu" else backend.MLX):
+        assert np.array_equal(np.array(greedy_tokens(x)), np.array(mx.argmax(x, axis=-1)))
+        assert greedy_tokens(logits).item() == mx.argmax(logits, axis=-1).item()
 
 
 def test_speculative_distributions_from_the_candidates_equal_the_full_filters():
