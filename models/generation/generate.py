@@ -245,11 +245,16 @@ def filter_logprobs(logprobs: mx.array, options: SamplingOptions) -> mx.array:
     return logprobs
 
 
+def _extension_top_k(x: mx.array) -> bool:
+    """Whether ``zoo_cpu.decode.top_k`` takes ``x``: float32 where the decode kernels run."""
+    return backend.active().decode and x.dtype == mx.float32
+
+
 def greedy_tokens(logits: mx.array) -> mx.array:
     """The argmax of ``logits [..., V]`` (the first of equal maxima): the extension's ``top_k`` of one
     where the decode kernels run (one pass on both cores, 0.1 ms over 262,144 words, where MLX's
     argmax is a one-core loop of 0.27 ms), else ``mx.argmax``."""
-    if backend.active().decode and logits.dtype == mx.float32:
+    if _extension_top_k(logits):
         return decode.top_k(logits, 1)[1][..., 0]
     return mx.argmax(logits, axis=-1)
 
@@ -270,7 +275,7 @@ def top_k_candidates(logprobs: mx.array, options: SamplingOptions) -> tuple[mx.a
     kernels run (ties at the k-th value to the lower id), else from ``mx.argpartition`` (ties
     broken as in ``filter_logprobs``)."""
     k = options.top_k
-    if backend.active().decode and logprobs.dtype == mx.float32:  # one pass on both cores, ties to the lower id
+    if _extension_top_k(logprobs):  # one pass on both cores, ties to the lower id
         values, ids = decode.top_k(logprobs, k)
     else:
         ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
