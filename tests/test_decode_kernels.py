@@ -83,10 +83,10 @@ def attention64(q, keys, values, start, size, scale, mask):
 
 @settings(max_examples=60, deadline=None)
 @given(B=st.integers(1, 2), Hkv=st.integers(1, 2), groups=st.integers(1, 9), D=st.sampled_from([8, 18, 24, 64, 256]),
-       Dv=st.sampled_from([8, 40, 64, 200]), T=st.integers(1, 700), data=st.data(), isa=st.sampled_from(ISAS or ["portable"]))  # fmt: skip
+       Dv=st.sampled_from([8, 40, 64, 200]), T=st.integers(1, 1200), data=st.data(), isa=st.sampled_from(ISAS or ["portable"]))  # fmt: skip
 def test_attention_matches_float64_over_a_run(B, Hkv, groups, D, Dv, T, data, isa):
     """Query heads a kv head in groups of 8, 4, 2 and 1, head dims off the vector width, values in
-    column blocks and single vectors and a scalar tail."""
+    column blocks and single vectors and a scalar tail, runs of up to 8 parts (128 rows or more each)."""
     size = data.draw(st.integers(1, T))
     start = data.draw(st.integers(0, T - size))
     masked = data.draw(st.sampled_from(["none", "one", "per_row", "tail"]))

@@ -130,11 +130,15 @@ def test_greedy_tokens_are_mlx_argmax(plan):
         assert greedy_tokens(logits).item() == mx.argmax(logits, axis=-1).item()
 
 
-def test_speculative_distributions_from_the_candidates_equal_the_full_filters():
-    """Speculative decoding's per-row distributions, read off the top k, are the full filters'."""
+@pytest.mark.parametrize("plan", ["cpu", "accelerator"])
+def test_speculative_distributions_from_the_candidates_equal_the_full_filters(plan):
+    """Speculative decoding's per-row distributions, read off the top k, are the full filters', under
+    both plans."""
     from models.generation.speculative import distribution
+    from zoo_cpu import backend
 
     logits = mx.array(np.random.default_rng(4).standard_normal((3, 1000)).astype(np.float32) * 2)
-    for o in (SamplingOptions(temp=0.7, top_k=20, top_p=0.9), SamplingOptions(temp=1.3, top_k=64, min_p=0.05)):
-        want = mx.softmax(filter_logprobs(logits - mx.logsumexp(logits, axis=-1, keepdims=True), o) * (1.0 / o.temp), axis=-1)
-        np.testing.assert_allclose(np.array(distribution(logits, o)), np.array(want), rtol=0, atol=1e-6)
+    with backend.using(backend.for_cpu() if plan == "cpu" else backend.MLX):
+        for o in (SamplingOptions(temp=0.7, top_k=20, top_p=0.9), SamplingOptions(temp=1.3, top_k=64, min_p=0.05)):
+            want = mx.softmax(filter_logprobs(logits - mx.logsumexp(logits, axis=-1, keepdims=True), o) * (1.0 / o.temp), axis=-1)
+            np.testing.assert_allclose(np.array(distribution(logits, o)), np.array(want), rtol=0, atol=1e-6)
