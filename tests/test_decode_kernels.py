@@ -128,27 +128,6 @@ def test_attention_never_reads_a_masked_row(isa):
     np.testing.assert_allclose(np.array(got), want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("V, k", [(1, 1), (7, 3), (300, 37), (8192, 64), (262_144, 64), (262_144, 1), (20_000, 20_000)])
-def test_top_k_is_a_stable_sort_cut_short(V, k):
-    """Three rows: the k largest from the largest down with their indices, ties to the lower index
-    (a row of few distinct values), -inf kept where the row has fewer finite values, NaN as -inf."""
-    rng = np.random.default_rng(V + k)
-    x = rng.standard_normal((3, V)).astype(np.float32) * 4
-    x[1] = np.round(x[1])  # many ties
-    x[2, rng.random(V) < 0.9] = -np.inf
-    x[2, rng.random(V) < 0.05] = np.nan
-    values, ids = decode.top_k(mx.array(x), k)
-    assert ids.dtype == mx.uint32 and values.shape == ids.shape == (3, k)
-    ordered = np.where(np.isnan(x), -np.inf, x)
-    want = np.argsort(-ordered, axis=-1, kind="stable")[:, :k]
-    np.testing.assert_array_equal(np.array(values), np.take_along_axis(ordered, want, axis=-1))
-    finite = np.isfinite(np.take_along_axis(ordered, want, axis=-1))
-    got = np.array(ids)
-    np.testing.assert_array_equal(got[finite], want[finite])
-    rows, cols = np.nonzero(~finite)  # past the finite values: indices of -inf or NaN entries
-    assert not np.isfinite(ordered[rows, got[rows, cols]]).any()
-
-
 def test_attention_reads_strided_planes_in_place():
     """A cache's stored rows are a view of its buffer: rows of [B, H, capacity, D] planes."""
     rng = np.random.default_rng(3)
@@ -288,8 +267,6 @@ QUANTIZED_ROWS = tuple(mx.quantize(mx.zeros((1, 1, 4, 64)), group_size=64, bits=
          r"row 0: planes .* are not one head dim at 4 bits, group 64"),
         (lambda: decode.attention_rows(mx.zeros((1, 1, 1, 64)), [QUANTIZED_ROWS], [QUANTIZED_ROWS], [0], [4], 1.0, 3, 64),
          r"bits must be 0 \(float planes\), 4 or 8, got 3"),
-        (lambda: decode.top_k(mx.zeros((2, 5)), 6), r"k must be in \[1, 5\] \(x's last axis\), got 6"),
-        (lambda: decode.top_k(mx.zeros((2, 5), dtype=mx.float16), 2), r"float32"),
     ],
 )
 def test_bad_arguments_are_named(call, message):

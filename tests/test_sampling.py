@@ -116,6 +116,50 @@ def test_a_top_k_draw_follows_the_filtered_distribution():
     np.testing.assert_array_less(np.abs(counts - p), 4 * np.sqrt(p * (1 - p) / len(draws)) + 1e-9)
 
 
+@pytest.mark.parametrize("options", [dict(temp=0.8), dict(temp=1.0, top_p=0.6), dict(temp=1.3, min_p=0.1), dict(temp=0.7, top_p=0.9, min_p=0.02)])
+@pytest.mark.parametrize("plan", ["cpu", "accelerator"])
+def test_a_draw_without_top_k_follows_the_filtered_distribution(options, plan):
+    """Without top_k, draws land on what the filters keep in proportion to the probabilities at the
+    temperature (3,000 seeded draws, within 4 standard deviations): the extension's floor and
+    inverse CDF on the CPU plan, MLX's filters and Gumbel draw on the accelerator's."""
+    from zoo_cpu import backend
+
+    logits = mx.array(np.random.default_rng(8).standard_normal((1, 60)).astype(np.float32) * 2)
+    o = SamplingOptions(seed=5, **options)
+    with backend.using(backend.for_cpu() if plan == "cpu" else backend.MLX):
+        sampler = TokenSampler(o)
+        draws = np.array([sampler(logits).item() for _ in range(3000)])
+    filtered = np.array(filter_logprobs(logits - mx.logsumexp(logits, axis=-1, keepdims=True), o))[0] / o.temp
+    p = np.exp(filtered - filtered.max())
+    p /= p.sum()
+    counts = np.bincount(draws, minlength=60) / len(draws)
+    assert set(np.flatnonzero(counts)) <= set(np.flatnonzero(p))
+    np.testing.assert_array_less(np.abs(counts - p), 4 * np.sqrt(p * (1 - p) / len(draws)) + 1e-9)
+
+
+@pytest.mark.parametrize("options, V, scale", [
+    (options, V, scale)
+    for options in (dict(top_p=0.9), dict(top_p=0.999), dict(min_p=0.05), dict(top_p=0.5, min_p=0.01))
+    for V, scale in ((300, 4.0), (300, 0.3), (262_144, 4.0))
+    if not (V > 1000 and options.get("top_p") == 0.999)
+])  # fmt: skip
+def test_the_extension_floor_keeps_what_the_filters_keep(options, V, scale):
+    """Without top_k, the CPU plan's filtered log-probabilities (the extension's floor) keep the
+    same words as the full filters, on peaked and flat rows. (Not over a flat 262,144-word row at
+    top-p 0.999: there mlx-lm's float32 running sum of the sorted vocabulary is off by parts in ten
+    thousand and keeps ~480 words fewer than float64 does; the floor's own check against float64
+    is tests/test_sampling_kernels.py's.)"""
+    from models.generation.generate import filtered_logprobs
+    from zoo_cpu import backend
+
+    logits = mx.array(np.random.default_rng(V).standard_normal((1, V)).astype(np.float32) * scale)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    o = SamplingOptions(temp=1.0, **options)
+    with backend.using(backend.for_cpu()):
+        got = np.array(filtered_logprobs(logprobs, o))
+    np.testing.assert_array_equal(got, np.array(filter_logprobs(logprobs, o)))
+
+
 @pytest.mark.parametrize("plan", ["cpu", "accelerator"])
 def test_greedy_tokens_are_mlx_argmax(plan):
     """The greedy pick is MLX's argmax, the first of tied maxima included, over rows of any shape,
@@ -132,13 +176,14 @@ def test_greedy_tokens_are_mlx_argmax(plan):
 
 @pytest.mark.parametrize("plan", ["cpu", "accelerator"])
 def test_speculative_distributions_from_the_candidates_equal_the_full_filters(plan):
-    """Speculative decoding's per-row distributions, read off the top k, are the full filters', under
-    both plans."""
+    """Speculative decoding's per-row distributions, read off the top k (or, without it, through the
+    CPU plan's floor), are the full filters', under both plans."""
     from models.generation.speculative import distribution
     from zoo_cpu import backend
 
     logits = mx.array(np.random.default_rng(4).standard_normal((3, 1000)).astype(np.float32) * 2)
     with backend.using(backend.for_cpu() if plan == "cpu" else backend.MLX):
-        for o in (SamplingOptions(temp=0.7, top_k=20, top_p=0.9), SamplingOptions(temp=1.3, top_k=64, min_p=0.05)):
+        for o in (SamplingOptions(temp=0.7, top_k=20, top_p=0.9), SamplingOptions(temp=1.3, top_k=64, min_p=0.05),
+                  SamplingOptions(temp=0.9, top_p=0.8), SamplingOptions(temp=1.1, min_p=0.1)):
             want = mx.softmax(filter_logprobs(logits - mx.logsumexp(logits, axis=-1, keepdims=True), o) * (1.0 / o.temp), axis=-1)
             np.testing.assert_allclose(np.array(distribution(logits, o)), np.array(want), rtol=0, atol=1e-6)

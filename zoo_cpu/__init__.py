@@ -7,8 +7,9 @@ extension and the CPU math it serves.
 - ``switches``: the one table of ``GEMMA_ZOO_*`` environment switches.
 - ``extension``: the C++ extension (``zoo_cpu/src``, built by ``setup.py`` on Linux x86-64), loaded
   only when it was built for the MLX that is installed.
-- ``packed``, ``prefill``, ``decode``: the extension's packed 4/8-bit products, a prefill's float32
-  kernels and a decode step's kernels; ``fast_math``: the vectorised CPU math the graphs and cache
+- ``packed``, ``prefill``, ``decode``, ``sampling``: the extension's packed 4/8-bit products, a
+  prefill's float32 kernels, a decode step's kernels and a sampler's passes over the vocabulary;
+  ``fast_math``: the vectorised CPU math the graphs and cache
   call (softmax, GELU, tanh, RoPE, RMSNorm), through the kernels where they run.
 - ``backend``: which of these run, one value chosen at load by the precision plan.
 

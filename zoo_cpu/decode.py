@@ -17,9 +17,6 @@ a residual, so that the pieces a layer repeats are one node each:
 - ``attention_rows``: a ragged batch's decode read as one node: one query per batch row, each over
   a run of that row's own planes (float or quantized), every row's parts on the threads together
   (the row-by-row reads it replaces cost a node and a thread hand-off each: docs/cache.md).
-- ``top_k``: the k largest values of each row (and their indices), a sampler's candidates over the
-  vocabulary (``models.generation.generate.top_k_candidates``) without MLX's ``argpartition``,
-  ~3 ms a token over 262,144 words on two cores.
 
 Float32 only, the same arithmetic as ``zoo_cpu.fast_math``'s chains up to summation order
 (``tests/test_decode_kernels.py``). ``fast_math`` and ``cache`` call them where ``zoo_cpu.backend``
@@ -61,13 +58,6 @@ def attention_quantized(q: mx.array, keys: tuple, values: tuple, start: mx.array
     start = start.reshape(1).astype(mx.int32)
     return _module().decode_attention_quantized(q, *keys, *values, start, size, float(scale), mask, bits, group_size,
                                                 isa or "")
-
-
-def top_k(x: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """The ``k`` largest values of ``x [..., V]``'s last axis (float32) from the largest down, and
-    their indices (uint32), each ``[..., k]``; ties go to the lower index, NaN counts as ``-inf``."""
-    values, ids = _module().top_k(x, int(k))
-    return values, ids
 
 
 def attention_rows(q: mx.array, keys: list, values: list, starts: list, sizes: list, scale: float, bits: int | None = None,

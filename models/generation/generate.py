@@ -28,7 +28,7 @@ import mlx.core as mx
 from cache import cache_offset, quantize_caches, trim_cache
 from models.generation.processors import REPETITION_CONTEXT, logits_processors
 from models.generation.prompts import ImageSpan, prefill_chunks
-from zoo_cpu import backend, decode, fast_math
+from zoo_cpu import backend, fast_math, sampling
 
 DEFAULT_PREFILL_STEP = 512
 KV_BITS = (2, 3, 4, 5, 6, 8)
@@ -245,8 +245,9 @@ def filter_logprobs(logprobs: mx.array, options: SamplingOptions) -> mx.array:
     return logprobs
 
 
-def _extension_top_k(x: mx.array) -> bool:
-    """Whether ``zoo_cpu.decode.top_k`` takes ``x``: float32 where the decode kernels run."""
+def _extension_sampling(x: mx.array) -> bool:
+    """Whether the extension's sampling primitives (``zoo_cpu.sampling``) take ``x``: float32 where
+    the decode kernels run."""
     return backend.active().decode and x.dtype == mx.float32
 
 
@@ -254,8 +255,8 @@ def greedy_tokens(logits: mx.array) -> mx.array:
     """The argmax of ``logits [..., V]`` (the first of equal maxima): the extension's ``top_k`` of one
     where the decode kernels run (one pass on both cores, 0.1 ms over 262,144 words, where MLX's
     argmax is a one-core loop of 0.27 ms), else ``mx.argmax``."""
-    if _extension_top_k(logits):
-        return decode.top_k(logits, 1)[1][..., 0]
+    if _extension_sampling(logits):
+        return sampling.top_k(logits, 1)[1][..., 0]
     return mx.argmax(logits, axis=-1)
 
 
@@ -271,12 +272,12 @@ def top_k_candidates(logprobs: mx.array, options: SamplingOptions) -> tuple[mx.a
     compared with ``top_p`` itself: ``logprobs`` are normalised (mlx-lm compares with ``top_p``
     times its float32 sum of all 262,144 probabilities in sorted order, which is 1 only to within
     its rounding, so a candidate whose mass lies that close to ``top_p`` can fall either side of
-    the two). The candidates come from the extension's ``zoo_cpu.decode.top_k`` where the decode
+    the two). The candidates come from the extension's ``zoo_cpu.sampling.top_k`` where the decode
     kernels run (ties at the k-th value to the lower id), else from ``mx.argpartition`` (ties
     broken as in ``filter_logprobs``)."""
     k = options.top_k
-    if _extension_top_k(logprobs):  # one pass on both cores, ties to the lower id
-        values, ids = decode.top_k(logprobs, k)
+    if _extension_sampling(logprobs):  # one pass on both cores, ties to the lower id
+        values, ids = sampling.top_k(logprobs, k)
     else:
         ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
         values = mx.take_along_axis(logprobs, ids, axis=-1)
@@ -292,6 +293,46 @@ def top_k_candidates(logprobs: mx.array, options: SamplingOptions) -> tuple[mx.a
         floor = values[..., :1] + math.log(options.min_p)
         values = mx.where(values < floor, -float("inf"), values)
     return values, ids
+
+
+def categorical_tokens(x: mx.array, key: mx.array, scale: float = 1.0) -> mx.array:
+    """One index a row of ``x [..., V]`` drawn from ``softmax(x * scale)`` with ``key``: by the
+    extension's inverse CDF of one uniform number a row where the decode kernels run (two passes
+    over the row on both cores: ~0.2 ms over 262,144 words, where MLX's Gumbel draw makes and
+    compares a random number for every word, ~4-6 ms), else by ``mx.random.categorical``."""
+    if _extension_sampling(x):
+        return sampling.categorical(x, mx.random.uniform(shape=x.shape[:-1], key=key), scale)
+    return mx.random.categorical(x * scale, key=key)
+
+
+def filtered_draw(logprobs: mx.array, options: SamplingOptions, key: mx.array) -> mx.array:
+    """A draw from what ``filter_logprobs`` keeps of normalised ``logprobs [..., V]`` at
+    ``options.temp``, without ``top_k`` (``top_k_candidates`` serves that). Where the decode kernels
+    run, top-p and min-p become one floor per row (``zoo_cpu.sampling.keep_floor``, read off the
+    most likely words; top-p summed and compared as ``top_k_candidates`` does) and the draw is the
+    extension's inverse CDF over the values at or above it: MLX's sort for top-p alone took ~34 ms
+    a token over 262,144 words. Elsewhere ``filter_logprobs`` and ``mx.random.categorical``."""
+    if not _extension_sampling(logprobs):
+        return mx.random.categorical(filter_logprobs(logprobs, options) * (1.0 / options.temp), key=key)
+    u = mx.random.uniform(shape=logprobs.shape[:-1], key=key)
+    return sampling.categorical(logprobs, u, 1.0 / options.temp, _keep_floor(logprobs, options))
+
+
+def _keep_floor(logprobs: mx.array, options: SamplingOptions) -> mx.array | None:
+    """The extension's floor of top-p and min-p for ``logprobs`` (None when neither is on)."""
+    if 0 < options.top_p < 1.0 or options.min_p != 0.0:
+        return sampling.keep_floor(logprobs, options.top_p, options.min_p)
+    return None
+
+
+def filtered_logprobs(logprobs: mx.array, options: SamplingOptions) -> mx.array:
+    """``logprobs`` with what top-p and min-p rule out set to ``-inf`` (no ``top_k``): through the
+    extension's floor where the decode kernels run (as ``filtered_draw`` draws), else
+    ``filter_logprobs``."""
+    if not _extension_sampling(logprobs):
+        return filter_logprobs(logprobs, options)
+    floor = _keep_floor(logprobs, options)
+    return logprobs if floor is None else mx.where(logprobs < floor, -float("inf"), logprobs)
 
 
 class RandomKeys:
@@ -312,7 +353,7 @@ class RandomKeys:
 class TokenSampler:
     """Picks one conversation's next token from its logits: the argmax at ``temp == 0``, otherwise
     mlx-lm's top-p, min-p and top-k filters (``filter_logprobs``) and a categorical draw (among the
-    top k alone when ``top_k`` is set: ``top_k_candidates``). The
+    top k alone when ``top_k`` is set: ``top_k_candidates``; else ``filtered_draw``). The
     request's logits processors (``models.generation.processors``: logit bias, repetition, presence
     and frequency penalties over the last ``REPETITION_CONTEXT`` tokens of ``context``, the prompt,
     and the tokens drawn since) come first, greedy or not, then the ``constraint``'s mask (a
@@ -352,7 +393,7 @@ class TokenSampler:
             pick = mx.random.categorical(values * (1.0 / self.options.temp), key=self.keys())
             token = mx.take_along_axis(ids, pick[..., None], axis=-1)[..., 0]
         else:
-            token = mx.random.categorical(filter_logprobs(logprobs, self.options) * (1.0 / self.options.temp), key=self.keys())
+            token = filtered_draw(logprobs, self.options, self.keys())
         if self.processors:
             self.recent = mx.concatenate([self.recent, token.astype(mx.uint32)])[-REPETITION_CONTEXT:]
         self._drawn = token

@@ -30,8 +30,8 @@ from graphs.gemma4_assistant import Gemma4AssistantModel
 from graphs.gemma4_assistant_config import DrafterMismatchError
 
 from models.generation.generate import (
-    DEFAULT_PREFILL_STEP, GenerationOptionError, LoopOptions, RandomKeys, SamplingOptions, TokenLoop, check_positive_int, filter_logprobs,
-    greedy_tokens, top_k_candidates,
+    DEFAULT_PREFILL_STEP, GenerationOptionError, LoopOptions, RandomKeys, SamplingOptions, TokenLoop, categorical_tokens,
+    check_positive_int, filtered_logprobs, greedy_tokens, top_k_candidates,
 )  # fmt: skip
 from models.generation.prompt_lookup import PromptLookupDrafter
 from zoo_cpu import fast_math
@@ -63,17 +63,18 @@ def distribution(logits: mx.array, options: SamplingOptions) -> mx.array:
     """The probabilities ``[..., V]`` mlx-lm's sampler draws from for ``options`` (temp > 0): its
     filters (top-p, min-p, top-k, in its order) on the log-probabilities, then ``softmax(x / temp)``.
     With ``top_k`` set the filters are read off the top k alone (``top_k_candidates``: no sort of
-    the vocabulary for every verified row) and the rest of the vocabulary gets 0."""
+    the vocabulary for every verified row) and the rest of the vocabulary gets 0; without it
+    through ``filtered_logprobs`` (the extension's floor where the decode kernels run)."""
     logprobs = fast_math.log_softmax(logits.astype(mx.float32))
     if 0 < options.top_k < logprobs.shape[-1]:
         values, ids = top_k_candidates(logprobs, options)
         probs = mx.softmax(values * (1.0 / options.temp), axis=-1)
         return mx.put_along_axis(mx.zeros_like(logprobs), ids, probs, axis=-1)
-    return mx.softmax(filter_logprobs(logprobs, options) * (1.0 / options.temp), axis=-1)
+    return mx.softmax(filtered_logprobs(logprobs, options) * (1.0 / options.temp), axis=-1)
 
 
 def _sample(probs: mx.array, keys: RandomKeys) -> mx.array:
-    return mx.random.categorical(mx.log(probs), key=keys())
+    return categorical_tokens(mx.log(probs), keys())
 
 
 # ---------------------------------------------------------------------------------------- drafters

@@ -9,6 +9,7 @@
 #include "packed.h"
 #include "prefill.h"
 #include "decode.h"
+#include "sampling.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -47,6 +48,13 @@ NB_MODULE(_packed, m) {
         "decode_attention over mx.quantize's key and value planes (4 or 8 bits), the codes read in place");
   m.def("top_k", &zoo::top_k, "x"_a, "k"_a, nb::kw_only(), "stream"_a = nb::none(),
         "the k largest values of x's last axis from the largest down and their indices (uint32), float32");
+  m.def("log_softmax", &zoo::log_softmax, "x"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
+        "x - logsumexp(x) along the last axis, float32, on the threads");
+  m.def("keep_floor", &zoo::keep_floor, "x"_a, "top_p"_a, "min_p"_a, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
+        "the smallest value top-p and min-p keep of each row of normalised log-probabilities [..., 1], float32");
+  m.def("categorical", &zoo::categorical, "x"_a, "u"_a, "scale"_a, "floor"_a = nb::none(), "isa"_a = "", nb::kw_only(),
+        "stream"_a = nb::none(),
+        "one index a row drawn from softmax(x * scale) over the values at or above floor, by the inverse CDF of u");
   m.def("decode_attention_rows", &zoo::decode_attention_rows, "q"_a, "planes"_a, "starts"_a, "sizes"_a, "scale"_a,
         "bits"_a = 0, "group_size"_a = 64, "isa"_a = "", nb::kw_only(), "stream"_a = nb::none(),
         "one query per batch row over a run of that row's own key and value planes (float, or 4/8-bit quantized)");

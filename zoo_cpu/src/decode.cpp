@@ -186,18 +186,6 @@ mx::array decode_attention_rows(const mx::array& q, const std::vector<mx::array>
                    std::move(inputs));
 }
 
-std::vector<mx::array> top_k(const mx::array& x, int k, mx::StreamOrDevice s) {
-  const char* op = "top_k";
-  auto stream = cpu_only(op, s);
-  check_float32(op, {{"x", &x}});
-  if (x.ndim() < 1 || x.shape(-1) < 1) fail(op, "x must have a last axis of at least one value, got " + shape_of(x));
-  if (k < 1 || k > x.shape(-1))
-    fail(op, "k must be in [1, " + std::to_string(x.shape(-1)) + "] (x's last axis), got " + std::to_string(k));
-  auto shape = x.shape();
-  shape.back() = k;
-  return mx::array::make_arrays({shape, shape}, {mx::float32, mx::uint32}, std::make_shared<TopK>(stream, k), {x});
-}
-
 // ------------------------------------------------------------------------------------ evaluation
 namespace {
 
@@ -449,94 +437,7 @@ void attend_rows(RowsJob<Job>& rj, const std::vector<int>& starts, const std::ve
   }
 }
 
-// A row's k best (value, index) pairs: a heap whose top is the worst kept, and the scan that fills
-// it. Written here rather than taken from the standard library's partial sorts: the scan skips
-// 16 values at a time by one compare each against the worst kept (nearly every logit of a
-// vocabulary), which keeps the read at memory speed.
-using Candidate = std::pair<float, uint32_t>;
-inline bool better(const Candidate& a, const Candidate& b) {
-  return a.first > b.first || (a.first == b.first && a.second < b.second);
-}
-
-struct TopKJob {
-  const float* x;
-  int64_t V, k, parts;
-  std::vector<Candidate>* found;  // one list a chunk (row, part)
-};
-
-void top_k_chunk(void* ctx, int chunk) {
-  const auto& j = *static_cast<const TopKJob*>(ctx);
-  const int64_t row = chunk / j.parts, part = chunk % j.parts;
-  const int64_t i0 = j.V * part / j.parts, i1 = j.V * (part + 1) / j.parts;
-  const float* x = j.x + row * j.V;
-  auto& heap = j.found[chunk];
-  heap.clear();
-  int64_t i = i0;
-  for (; i < i1 && static_cast<int64_t>(heap.size()) < j.k; ++i) {
-    const float v = x[i];
-    heap.emplace_back(v == v ? v : -INFINITY, static_cast<uint32_t>(i));
-    std::push_heap(heap.begin(), heap.end(), better);
-  }
-  float worst = heap.empty() ? INFINITY : heap.front().first;
-  auto offer = [&](int64_t at) {
-    if (!(x[at] > worst)) return;  // later indices lose ties; NaN never enters
-    std::pop_heap(heap.begin(), heap.end(), better);
-    heap.back() = {x[at], static_cast<uint32_t>(at)};
-    std::push_heap(heap.begin(), heap.end(), better);
-    worst = heap.front().first;
-  };
-  constexpr int64_t kBlock = 16;
-  for (; i + kBlock <= i1; i += kBlock) {
-    int above = 0;
-    for (int64_t b = 0; b < kBlock; ++b) above |= x[i + b] > worst;
-    if (above)
-      for (int64_t b = 0; b < kBlock; ++b) offer(i + b);
-  }
-  for (; i < i1; ++i) offer(i);
-}
-
 }  // namespace
-
-void TopK::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  auto& encoder = mx::cpu::get_command_encoder(stream());
-  encoder.set_input_array(inputs[0]);
-  for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
-    encoder.set_output_array(o);
-  }
-  encoder.dispatch([x = inputs[0], k = static_cast<int64_t>(k_), values = outputs[0].data<float>(),
-                    ids = outputs[1].data<uint32_t>()]() {
-    std::vector<float> xc;
-    const int64_t V = x.shape(-1), rows = static_cast<int64_t>(x.size()) / V;
-    // Two parts a row on two threads once a part is long enough to pay for the hand-off.
-    const int64_t parts = V >= 8192 && threads() > 1 ? threads() : 1;
-    std::vector<std::vector<Candidate>> found(rows * parts);
-    TopKJob job{dense(x, xc), V, k, parts, found.data()};
-    parallel_chunks(static_cast<int>(rows * parts), top_k_chunk, &job);
-    std::vector<Candidate> all;
-    for (int64_t r = 0; r < rows; ++r) {
-      all.clear();
-      for (int64_t p = 0; p < parts; ++p) all.insert(all.end(), found[r * parts + p].begin(), found[r * parts + p].end());
-      std::partial_sort(all.begin(), all.begin() + k, all.end(), better);
-      for (int64_t c = 0; c < k; ++c) {
-        values[r * k + c] = all[c].first;
-        ids[r * k + c] = all[c].second;
-      }
-    }
-  });
-}
-
-void TopK::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
-  throw std::runtime_error("TopK runs on MLX's CPU device only");
-}
-
-std::vector<mx::Shape> TopK::output_shapes(const std::vector<mx::array>& inputs) {
-  auto shape = inputs[0].shape();
-  shape.back() = k_;
-  return {shape, shape};
-}
-
-bool TopK::is_equivalent(const mx::Primitive& other) const { return k_ == static_cast<const TopK&>(other).k_; }
 
 void DecodeHeads::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   auto& encoder = mx::cpu::get_command_encoder(stream());

@@ -15,9 +15,6 @@
 // - DecodeAttentionRows: a ragged batch's decode read in one node: one query per batch row, each
 //   over a run of that row's own planes (each conversation's cache is a buffer of its own length),
 //   float or quantized; every row's parts of its run on the threads together.
-// - TopK: the k largest values of each row's last axis, from the largest down, and their indices:
-//   a sampler's candidates (top_k) over a vocabulary without sorting it (MLX's argpartition of
-//   262,144 logits takes ~3 ms on two cores, the whole decode step of a small model ~14).
 //
 // float32 in and out; the per-instruction-set kernels are prefill_impl.h's.
 #pragma once
@@ -66,11 +63,6 @@ mx::array decode_attention_quantized(const mx::array& q, const mx::array& k_pack
 mx::array decode_attention_rows(const mx::array& q, const std::vector<mx::array>& planes, const std::vector<int>& starts,
                                 const std::vector<int>& sizes, float scale, int bits, int group_size,
                                 const std::string& isa = "", mx::StreamOrDevice s = {});
-
-// The k largest values of x [..., V] (float32) along the last axis, from the largest down, and
-// their indices (uint32): {values [..., k], indices [..., k]}. Ties go to the lower index; NaN
-// counts as -inf. 1 <= k <= V.
-std::vector<mx::array> top_k(const mx::array& x, int k, mx::StreamOrDevice s = {});
 
 class DecodeHeads : public mx::Primitive {
  public:
@@ -121,19 +113,6 @@ class DecodeAttentionRows : public mx::UnaryPrimitive {
   float scale_;
   int bits_, group_;
   std::vector<int> starts_, sizes_;
-};
-
-class TopK : public mx::Primitive {
- public:
-  TopK(mx::Stream stream, int k) : mx::Primitive(stream), k_(k) {}
-  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
-  std::vector<mx::Shape> output_shapes(const std::vector<mx::array>& inputs) override;
-  bool is_equivalent(const mx::Primitive& other) const override;
-  const char* name() const override { return "TopK"; }
-
- private:
-  int k_;
 };
 
 }  // namespace zoo

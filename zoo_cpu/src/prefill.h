@@ -72,7 +72,9 @@ struct AttentionArgs {
                    const float* sin, int64_t cs_batch, int64_t r0, int64_t r1, float* out);                    \
   void decode_attention_part(const float* q, int64_t G, int64_t D, const float* k, int64_t ldk, const float* v,  \
                              int64_t ldv, int64_t Dv, int64_t n, const uint8_t* mask, float scale, float* s,      \
-                             float* out, float* top, float* sum);
+                             float* out, float* top, float* sum);                                             \
+  float row_max(const float* x, int64_t n);                                                                   \
+  float exp_weights(const float* x, int64_t n, float top, float scale, float floor, float* w, int64_t* count);
 
 namespace prefill_portable {
 ZOO_PREFILL_KERNELS
@@ -103,6 +105,11 @@ struct Kernels {
   // masked scores, their max (top), e^(s - top) summed (sum) and sum_j e_j v_j (out, unnormalised).
   void (*decode_attention_part)(const float*, int64_t, int64_t, const float*, int64_t, const float*, int64_t, int64_t,
                                 int64_t, const uint8_t*, float, float*, float*, float*, float*);
+  // A sampler's passes over a vocabulary row: its largest value (NaN ignored), and the sum of
+  // e^((x - top) * scale) over the values at or above a floor (each weight stored, and the values
+  // counted, when asked).
+  float (*row_max)(const float*, int64_t);
+  float (*exp_weights)(const float*, int64_t, float, float, float, float*, int64_t*);
 };
 Kernels vector_kernels(Isa isa);
 

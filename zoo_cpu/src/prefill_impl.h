@@ -707,3 +707,43 @@ void decode_attention_part(const float* q, int64_t G, int64_t D, const float* k,
     for (; h < G; ++h) values_heads<1>(s, n, v, ldv, Dv, mask, h, j0, j1, out);
   }
 }
+
+// The largest value of x[0, n), NaN ignored (-inf when there is none): a sampler's row maximum.
+float row_max(const float* x, int64_t n) {
+  const int64_t full = n / W * W;
+  vf m = splat(-INFINITY);
+  for (int64_t j = 0; j < full; j += W) m = vmax(load(x + j), m);  // a NaN loses the compare
+  float top = hmax(m);
+  for (int64_t j = full; j < n; ++j) top = x[j] > top ? x[j] : top;
+  return top;
+}
+
+// The sum of e^((x - top) * scale) over x[0, n) at or above floor (the rest, NaN included, weigh
+// 0), each weight stored in w and the values counted in count when those are not null: a
+// sampler's inverse CDF over one block of a row, or top-p's mass above a floor. x <= top.
+float exp_weights(const float* x, int64_t n, float top, float scale, float floor, float* w, int64_t* count) {
+  const int64_t full = n / W * W;
+  const vf t = splat(top), sc = splat(scale), fl = splat(floor);
+  vf acc = vf{};
+  vi kept = vi{};
+  for (int64_t j = 0; j < full; j += W) {
+    const vf v = load(x + j);
+    const vi at_or_above = v >= fl;
+    const vf e = at_or_above ? exp_nonpositive((v - t) * sc) : vf{};
+    if (w) store(w + j, e);
+    acc += e;
+    kept -= at_or_above;  // true is -1
+  }
+  float total = hsum(acc);
+  int64_t counted = 0;
+  for (int i = 0; i < W; ++i) counted += kept[i];
+  for (int64_t j = full; j < n; ++j) {
+    const bool in = x[j] >= floor;
+    const float e = in ? exp_nonpositive(splat((x[j] - top) * scale))[0] : 0.0f;
+    if (w) w[j] = e;
+    total += e;
+    counted += in;
+  }
+  if (count) *count = counted;
+  return total;
+}
