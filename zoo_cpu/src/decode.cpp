@@ -292,106 +292,37 @@ void attend_in_parts(Job& j, void (*part)(void*, int), const mx::array& start, c
 
 // One decode attention over quantized planes (mx.quantize's layout: codes packed low bits first
 // in uint32 words along the head dim, one scale and bias per group): the same parts and merge as
-// the float job, the codes read in place and never dequantized into a buffer.
+// the float job; the kernel dequantizes a block of rows at a time into a scratch of its thread.
 struct QuantizedJob : RunJob {
+  Kernels kn;
+  int bits;
   const uint32_t *kp, *vp;
   const float *ks, *kb, *vs, *vb;
   int64_t kp_stride[3], ks_stride[3], kb_stride[3], vp_stride[3], vs_stride[3], vb_stride[3];
   int64_t group;
 };
 
-template <int BITS>
-[[gnu::always_inline]] inline float code_at(const uint8_t* bytes, int64_t d) {
-  if constexpr (BITS == 8) return static_cast<float>(bytes[d]);
-  else return static_cast<float>((bytes[d >> 1] >> ((d & 1) * 4)) & 0xF);
-}
-
-// Each stored row is dequantized once into a row buffer (L1-resident, read by every query head of
-// its kv head), then the scores and the weighted sum of values are float products over it.
-// Written out here rather than taken from a library (no BLAS reads mx.quantize's codes); the dot
-// products keep 8 independent sums so that the compiler vectorizes them without reassociating,
-// and the body is inlined into one function per instruction set.
-template <int BITS>
-[[gnu::always_inline]] inline void dequantize_row(const uint8_t* codes, const float* scales, const float* biases,
-                                                  int64_t width, int64_t group, float* out) {
-  for (int64_t k = 0; k < width / group; ++k)
-    for (int64_t d = k * group; d < (k + 1) * group; ++d) out[d] = scales[k] * code_at<BITS>(codes, d) + biases[k];
-}
-
-template <int BITS>
-[[gnu::always_inline]] inline void quantized_part(const QuantizedJob& j, int chunk) {
-  constexpr int64_t kLanes = 8;  // head dims here are multiples of the group size, itself of 8
+void quantized_chunk(void* ctx, int chunk) {
+  const auto& j = *static_cast<const QuantizedJob*>(ctx);
   const int64_t head = chunk / j.parts, part = chunk % j.parts;
   const int64_t b = head / j.Hkv, hk = head % j.Hkv;
   const int64_t r0 = j.size * part / j.parts, r1 = j.size * (part + 1) / j.parts, n = r1 - r0;
-  const int64_t G = j.G, D = j.D, Dv = j.Dv;
-  thread_local std::vector<float> buf;
-  if (static_cast<int64_t>(buf.size()) < G * (n + D) + D + Dv) buf.resize(G * (n + D) + D + Dv);
-  float *scores = buf.data(), *qs = scores + G * n, *row = qs + G * D;
-  const float* q = j.q + head * G * D;
-  for (int64_t i = 0; i < G * D; ++i) qs[i] = q[i] * j.scale;
-  const uint8_t* mask = j.mask ? j.mask + b * j.mask_batch + r0 : nullptr;
-  const auto at = [&](const auto* base, const int64_t* stride, int64_t r) {
-    return base + b * stride[0] + hk * stride[1] + (j.start + r0 + r) * stride[2];
+  thread_local std::vector<float> scratch;
+  const int64_t width = j.D > j.Dv ? j.D : j.Dv;
+  if (static_cast<int64_t>(scratch.size()) < j.G * n + kDecodeBlockRows * width)
+    scratch.resize(j.G * n + kDecodeBlockRows * width);
+  const int64_t row = j.start + r0;
+  const auto plane = [&](const uint32_t* codes, const int64_t* cs, const float* scales, const int64_t* ss,
+                         const float* biases, const int64_t* bs) {
+    return QuantizedRows{reinterpret_cast<const uint8_t*>(codes + b * cs[0] + hk * cs[1] + row * cs[2]),
+                         scales + b * ss[0] + hk * ss[1] + row * ss[2], biases + b * bs[0] + hk * bs[1] + row * bs[2],
+                         cs[2] * static_cast<int64_t>(sizeof(uint32_t)), ss[2], bs[2]};
   };
-  for (int64_t r = 0; r < n; ++r) {
-    if (mask && !mask[r]) {
-      for (int64_t g = 0; g < G; ++g) scores[g * n + r] = -INFINITY;
-      continue;
-    }
-    dequantize_row<BITS>(reinterpret_cast<const uint8_t*>(at(j.kp, j.kp_stride, r)), at(j.ks, j.ks_stride, r),
-                         at(j.kb, j.kb_stride, r), D, j.group, row);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qs + g * D;
-      float acc[kLanes] = {};
-      for (int64_t d = 0; d < D; d += kLanes)
-        for (int64_t l = 0; l < kLanes; ++l) acc[l] += qg[d + l] * row[d + l];
-      float s = 0.0f;
-      for (int64_t l = 0; l < kLanes; ++l) s += acc[l];
-      scores[g * n + r] = s;
-    }
-  }
-  float* out = j.out + chunk * G * Dv;
-  for (int64_t g = 0; g < G; ++g) {
-    float m = -INFINITY, total = 0.0f;
-    for (int64_t r = 0; r < n; ++r) m = std::fmax(m, scores[g * n + r]);
-    for (int64_t r = 0; r < n; ++r) total += (scores[g * n + r] = m == -INFINITY ? 0.0f : std::exp(scores[g * n + r] - m));
-    j.top[chunk * G + g] = m;
-    j.sum[chunk * G + g] = total;
-    for (int64_t c = 0; c < Dv; ++c) out[g * Dv + c] = 0.0f;
-  }
-  for (int64_t r = 0; r < n; ++r) {
-    if (mask && !mask[r]) continue;
-    dequantize_row<BITS>(reinterpret_cast<const uint8_t*>(at(j.vp, j.vp_stride, r)), at(j.vs, j.vs_stride, r),
-                         at(j.vb, j.vb_stride, r), Dv, j.group, row);
-    for (int64_t g = 0; g < G; ++g) {
-      const float p = scores[g * n + r];
-      float* o = out + g * Dv;
-      for (int64_t d = 0; d < Dv; ++d) o[d] += p * row[d];
-    }
-  }
-}
-
-template <int BITS>
-void quantized_chunk(void* ctx, int chunk) {
-  quantized_part<BITS>(*static_cast<const QuantizedJob*>(ctx), chunk);
-}
-
-#ifdef ZOO_X86_KERNELS
-template <int BITS>
-[[gnu::target("avx2,fma")]] void quantized_chunk_avx2(void* ctx, int chunk) {
-  quantized_part<BITS>(*static_cast<const QuantizedJob*>(ctx), chunk);
-}
-#endif
-
-// The part function for `bits` on the widest instruction set the primitive was given (AVX-512
-// runs the AVX2 body: the part is bound by the codes' read, not by the vector width).
-using PartFn = void (*)(void*, int);
-PartFn quantized_part_fn(int bits, Isa isa) {
-#ifdef ZOO_X86_KERNELS
-  if (isa != Isa::portable) return bits == 8 ? quantized_chunk_avx2<8> : quantized_chunk_avx2<4>;
-#endif
-  return bits == 8 ? quantized_chunk<8> : quantized_chunk<4>;
+  j.kn.decode_attention_part_quantized(j.q + head * j.G * j.D, j.G, j.D, plane(j.kp, j.kp_stride, j.ks, j.ks_stride, j.kb, j.kb_stride),
+                                       plane(j.vp, j.vp_stride, j.vs, j.vs_stride, j.vb, j.vb_stride), j.Dv, n, j.bits,
+                                       j.group, j.mask ? j.mask + b * j.mask_batch + r0 : nullptr, j.scale,
+                                       scratch.data(), scratch.data() + j.G * n, j.out + chunk * j.G * j.Dv,
+                                       j.top + chunk * j.G, j.sum + chunk * j.G);
 }
 
 // A ragged batch's rows attended together: one job per row (B = 1, its q, planes and run), the
@@ -534,7 +465,8 @@ void DecodeAttentionQuantized::eval_cpu(const std::vector<mx::array>& inputs, mx
     j.vb = rows_of(inputs[6], j.vb_stride, vbc);
     j.B = q.shape(0), j.Hkv = inputs[1].shape(1), j.G = q.shape(1) / j.Hkv, j.D = q.shape(3);
     j.group = group, j.Dv = inputs[5].shape(3) * group;
-    attend_in_parts(j, quantized_part_fn(bits, isa), inputs[7], masked ? &inputs[8] : nullptr, inputs[1].shape(2), size,
+    j.kn = vector_kernels(isa), j.bits = bits;
+    attend_in_parts(j, quantized_chunk, inputs[7], masked ? &inputs[8] : nullptr, inputs[1].shape(2), size,
                     scale, o);
   });
 }
@@ -567,7 +499,7 @@ void DecodeAttentionRows::eval_cpu(const std::vector<mx::array>& inputs, mx::arr
       attend_rows(rj, starts, sizes, scale, o);
       return;
     }
-    RowsJob<QuantizedJob> rj{std::vector<QuantizedJob>(B), {}, quantized_part_fn(bits, isa)};
+    RowsJob<QuantizedJob> rj{std::vector<QuantizedJob>(B), {}, quantized_chunk};
     for (int64_t r = 0; r < B; ++r) {
       const int64_t at = 1 + 6 * r;
       QuantizedJob& j = rj.rows[r];
@@ -579,6 +511,7 @@ void DecodeAttentionRows::eval_cpu(const std::vector<mx::array>& inputs, mx::arr
       j.vs = rows_of(inputs[at + 4], j.vs_stride, fc[at + 4]);
       j.vb = rows_of(inputs[at + 5], j.vb_stride, fc[at + 5]);
       j.Hkv = inputs[at].shape(1), j.G = Hq / j.Hkv, j.D = D, j.group = group, j.Dv = inputs[at + 4].shape(3) * group;
+      j.kn = vector_kernels(isa), j.bits = bits;
     }
     attend_rows(rj, starts, sizes, scale, o);
   });

@@ -18,7 +18,7 @@ namespace zoo {
 #define ZOO_KERNELS_OF(ns)                                                                                             \
   Kernels{ns::pack_keys,   ns::key_block,             ns::attention_block, ns::gelu_gate,   ns::linear_rows,           \
           ns::linear_dots, ns::linear_few_transposed, ns::rms_norm_rows,   ns::rotate_rows, ns::decode_attention_part, \
-          ns::row_max,     ns::exp_weights}
+          ns::decode_attention_part_quantized,        ns::row_max,         ns::exp_weights}
 
 Kernels vector_kernels(Isa isa) {
 #if defined(__x86_64__) && defined(ZOO_X86_KERNELS)

@@ -38,6 +38,22 @@ constexpr int64_t kAttendKeys = 256;  // keys a block of query rows attends at a
 constexpr int64_t kDotMaxRows = 8;    // rows of x a product takes unpacked (linear_dots); more: panels
 constexpr int64_t kLinearInputs = 768;  // inputs a GEMM block takes at most (256: 12% slower, docs/speed.md)
 
+// Rows a decode attention weighs values over at a time (and dequantizes quantized rows into its
+// scratch at a time): 64 measured best (docs/long_context.md).
+constexpr int64_t kDecodeBlockRows = 64;
+
+// A run of rows of mx.quantize's planes: codes (uint8 view of the packed words), one scale and bias
+// a group; each row `ld_*` elements after the one before.
+struct QuantizedRows {
+  const uint8_t* codes;
+  const float* scales;
+  const float* biases;
+  int64_t ld_codes, ld_scales, ld_biases;
+  QuantizedRows from(int64_t row) const {
+    return {codes + row * ld_codes, scales + row * ld_scales, biases + row * ld_biases, ld_codes, ld_scales, ld_biases};
+  }
+};
+
 // Raw views of one attention call: strides in elements, the last axis of q, k, v contiguous.
 struct AttentionArgs {
   const float* q;          // [B, Hq, L, D]; q_stride: batch, head, row
@@ -73,6 +89,10 @@ struct AttentionArgs {
   void decode_attention_part(const float* q, int64_t G, int64_t D, const float* k, int64_t ldk, const float* v,  \
                              int64_t ldv, int64_t Dv, int64_t n, const uint8_t* mask, float scale, float* s,      \
                              float* out, float* top, float* sum);                                             \
+  void decode_attention_part_quantized(const float* q, int64_t G, int64_t D, const QuantizedRows& k,             \
+                                       const QuantizedRows& v, int64_t Dv, int64_t n, int bits, int64_t group,   \
+                                       const uint8_t* mask, float scale, float* s, float* rows, float* out,      \
+                                       float* top, float* sum);                                                  \
   float row_max(const float* x, int64_t n);                                                                   \
   float exp_weights(const float* x, int64_t n, float top, float scale, float floor, float* w, int64_t* count);
 
@@ -105,6 +125,11 @@ struct Kernels {
   // masked scores, their max (top), e^(s - top) summed (sum) and sum_j e_j v_j (out, unnormalised).
   void (*decode_attention_part)(const float*, int64_t, int64_t, const float*, int64_t, const float*, int64_t, int64_t,
                                 int64_t, const uint8_t*, float, float*, float*, float*, float*);
+  // decode_attention_part over quantized planes (8 or 4 bits): rows [kDecodeBlockRows, max(D, Dv)]
+  // of scratch for a block of dequantized rows.
+  void (*decode_attention_part_quantized)(const float*, int64_t, int64_t, const QuantizedRows&, const QuantizedRows&,
+                                          int64_t, int64_t, int, int64_t, const uint8_t*, float, float*, float*,
+                                          float*, float*, float*);
   // A sampler's passes over a vocabulary row: its largest value (NaN ignored), and the sum of
   // e^((x - top) * scale) over the values at or above a floor (each weight stored, and the values
   // counted, when asked).

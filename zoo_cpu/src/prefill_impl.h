@@ -552,7 +552,7 @@ inline float sum_tree(vf v) {
 // ahead are prefetched into L2 (the hardware prefetchers alone read them at half the rate), and
 // the values go kValueRows rows at a time.
 constexpr int64_t kDecodeAhead = 16384 / sizeof(float);  // floats
-constexpr int64_t kValueRows = 64;
+constexpr int64_t kValueRows = kDecodeBlockRows;
 
 // Prefetches the row kDecodeAhead floats past `row` (n floats), a cache line at a time.
 inline void prefetch_ahead(const float* row, int64_t n) {
@@ -564,7 +564,7 @@ inline void prefetch_ahead(const float* row, int64_t n) {
 // heads, the W dot products summed across their lanes together (a horizontal sum each was most
 // of a row's time).
 template <int GB>
-inline void scores_block(const float* q, int64_t D, const float* k, int64_t ldk, int64_t g0, int64_t j0, int64_t n,
+inline void scores_block(const float* q, int64_t D, const float* k, int64_t ldk, int64_t g0, int64_t j0, int64_t lds,
                          float scale, float* s) {
   constexpr int RB = W / GB;
   vf acc[W];
@@ -581,17 +581,18 @@ inline void scores_block(const float* q, int64_t D, const float* k, int64_t ldk,
   if constexpr (W > 1) sum_across<W / 2>(acc);
   const vf sums = acc[0] * scale;
   for (int r = 0; r < RB; ++r)
-    for (int g = 0; g < GB; ++g) s[(g0 + g) * n + j0 + r] = sums[r * GB + g];
+    for (int g = 0; g < GB; ++g) s[(g0 + g) * lds + j0 + r] = sums[r * GB + g];
 }
 
-// The scores of the GB heads from g0 over rows [0, n): whole blocks of W / GB rows, then row by row.
+// The scores of the GB heads from g0 over rows [0, n) into s[g * lds + j]: whole blocks of W / GB
+// rows, then row by row.
 template <int GB>
 inline void scores_heads(const float* q, int64_t D, const float* k, int64_t ldk, int64_t g0, int64_t n, float scale,
-                         float* s) {
+                         float* s, int64_t lds) {
   constexpr int RB = W / GB;
   int64_t j = 0;
   if (D % W == 0)
-    for (; j + RB <= n; j += RB) scores_block<GB>(q, D, k, ldk, g0, j, n, scale, s);
+    for (; j + RB <= n; j += RB) scores_block<GB>(q, D, k, ldk, g0, j, lds, scale, s);
   const int64_t full = D / W * W;
   for (; j < n; ++j)
     for (int64_t g = g0; g < g0 + GB; ++g) {
@@ -601,8 +602,21 @@ inline void scores_heads(const float* q, int64_t D, const float* k, int64_t ldk,
       for (int64_t d = 0; d < full; d += W) acc += load(qg + d) * load(kj + d);
       float t = sum_tree(acc);
       for (int64_t d = full; d < D; ++d) t += qg[d] * kj[d];
-      s[g * n + j] = t * scale;
+      s[g * lds + j] = t * scale;
     }
+}
+
+// The scores of all G query heads over rows [0, n), in groups of 8, 4, 2 or 1 heads (at most W / 2,
+// so that a group's accumulators and query vectors fit the registers).
+inline void scores_all(const float* q, int64_t G, int64_t D, const float* k, int64_t ldk, int64_t n, float scale,
+                       float* s, int64_t lds) {
+  int64_t g = 0;
+  if constexpr (W >= 16)
+    for (; g + 8 <= G; g += 8) scores_heads<8>(q, D, k, ldk, g, n, scale, s, lds);
+  if constexpr (W >= 8)
+    for (; g + 4 <= G; g += 4) scores_heads<4>(q, D, k, ldk, g, n, scale, s, lds);
+  for (; g + 2 <= G; g += 2) scores_heads<2>(q, D, k, ldk, g, n, scale, s, lds);
+  for (; g < G; ++g) scores_heads<1>(q, D, k, ldk, g, n, scale, s, lds);
 }
 
 // out[h * Dv + c] += sum_j s[h * n + j] v[j * ldv + c] for the HB heads from h0, rows [j0, j1)
@@ -648,25 +662,26 @@ inline void values_heads(const float* s, int64_t n, const float* v, int64_t ldv,
     }
 }
 
-// One part of a decode query's attention: G query rows q [G, D] (the query heads of one kv head)
-// against n key rows (k, ldk apart; v, ldv apart), keys with mask[j] == 0 left out (mask may be
-// null; a masked row's key and value are never used, so its storage may hold anything). For each
-// query row g: the scaled scores in s[g * n ..], their max top[g], e^(s - top) summed into sum[g],
-// and out[g * Dv ..] = sum_j e_j v_j, not yet divided by the sum (the parts of one query are
-// merged by the caller). A part whose keys are all masked has top -inf, sum 0. Heads go in groups
-// of 8, 4, 2 or 1 (at most W / 2, so that a group's accumulators and query vectors fit the
-// registers).
-void decode_attention_part(const float* q, int64_t G, int64_t D, const float* k, int64_t ldk, const float* v,
-                           int64_t ldv, int64_t Dv, int64_t n, const uint8_t* mask, float scale, float* s, float* out,
-                           float* top, float* sum) {
+// The values of rows [0, n) (v, ldv apart) weighted by s[h * lds + j] into out [G, Dv], rows with
+// mask[j] == 0 skipped, kValueRows rows at a time.
+inline void values_all(const float* s, int64_t lds, int64_t G, const float* v, int64_t ldv, int64_t Dv, int64_t n,
+                       const uint8_t* mask, float* out) {
+  for (int64_t j0 = 0; j0 < n; j0 += kValueRows) {
+    const int64_t j1 = imin(j0 + kValueRows, n);
+    int64_t h = 0;
+    if constexpr (W >= 8)
+      for (; h + 4 <= G; h += 4) values_heads<4>(s, lds, v, ldv, Dv, mask, h, j0, j1, out);
+    for (; h + 2 <= G; h += 2) values_heads<2>(s, lds, v, ldv, Dv, mask, h, j0, j1, out);
+    for (; h < G; ++h) values_heads<1>(s, lds, v, ldv, Dv, mask, h, j0, j1, out);
+  }
+}
+
+// A part's scores s [G, n] turned into e^(s - top): masked rows set to -inf first, each head's max
+// in top[g] and sum in sum[g] (a head whose rows are all masked: top -inf, sum 0), out [G, Dv]
+// zeroed for the weighted values.
+inline void softmax_part(float* s, int64_t G, int64_t n, const uint8_t* mask, int64_t Dv, float* out, float* top,
+                         float* sum) {
   const float ninf = -__builtin_inff();
-  int64_t g = 0;
-  if constexpr (W >= 16)
-    for (; g + 8 <= G; g += 8) scores_heads<8>(q, D, k, ldk, g, n, scale, s);
-  if constexpr (W >= 8)
-    for (; g + 4 <= G; g += 4) scores_heads<4>(q, D, k, ldk, g, n, scale, s);
-  for (; g + 2 <= G; g += 2) scores_heads<2>(q, D, k, ldk, g, n, scale, s);
-  for (; g < G; ++g) scores_heads<1>(q, D, k, ldk, g, n, scale, s);
   if (mask)
     for (int64_t j = 0; j < n; ++j)
       if (!mask[j])
@@ -698,13 +713,71 @@ void decode_attention_part(const float* q, int64_t G, int64_t D, const float* k,
     }
     sum[h] = total;
   }
+}
+
+// One part of a decode query's attention: G query rows q [G, D] (the query heads of one kv head)
+// against n key rows (k, ldk apart; v, ldv apart), keys with mask[j] == 0 left out (mask may be
+// null; a masked row's key and value are never used, so its storage may hold anything). For each
+// query row g: the scaled scores in s[g * n ..], their max top[g], e^(s - top) summed into sum[g],
+// and out[g * Dv ..] = sum_j e_j v_j, not yet divided by the sum (the parts of one query are
+// merged by the caller). A part whose keys are all masked has top -inf, sum 0.
+void decode_attention_part(const float* q, int64_t G, int64_t D, const float* k, int64_t ldk, const float* v,
+                           int64_t ldv, int64_t Dv, int64_t n, const uint8_t* mask, float scale, float* s, float* out,
+                           float* top, float* sum) {
+  scores_all(q, G, D, k, ldk, n, scale, s, n);
+  softmax_part(s, G, n, mask, Dv, out, top, sum);
+  values_all(s, n, G, v, ldv, Dv, n, mask, out);
+}
+
+// n rows of mx.quantize's codes (BITS 8 or 4: low bits first along the row; one scale and bias a
+// group of `group` values) dequantized into out [n, D]. Plain loops over a group: the compiler
+// widens the bytes a vector at a time there, where its conversion of a byte vector type goes one
+// element at a time.
+constexpr int64_t kCodesAhead = 64;  // rows of codes prefetched ahead
+template <int BITS>
+inline void dequantize_rows(const QuantizedRows& p, int64_t D, int64_t group, int64_t n, float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint8_t* codes = p.codes + j * p.ld_codes;
+    const float* scales = p.scales + j * p.ld_scales;
+    const float* biases = p.biases + j * p.ld_biases;
+    for (int64_t d = 0; d < D * BITS / 8; d += 64) __builtin_prefetch(codes + kCodesAhead * p.ld_codes + d, 0, 2);
+    __builtin_prefetch(scales + kCodesAhead * p.ld_scales, 0, 2);
+    __builtin_prefetch(biases + kCodesAhead * p.ld_biases, 0, 2);
+    for (int64_t g0 = 0; g0 < D; g0 += group) {
+      const float scale = scales[g0 / group], bias = biases[g0 / group];
+      float* __restrict o = out + j * D + g0;
+      if constexpr (BITS == 8) {
+        const uint8_t* __restrict c = codes + g0;
+        for (int64_t d = 0; d < group; ++d) o[d] = static_cast<float>(static_cast<int32_t>(c[d])) * scale + bias;
+      } else {  // two codes a byte, the even one in the low nibble
+        const uint8_t* __restrict c = codes + g0 / 2;
+        for (int64_t d = 0; d < group / 2; ++d) {
+          o[2 * d] = static_cast<float>(static_cast<int32_t>(c[d] & 0xF)) * scale + bias;
+          o[2 * d + 1] = static_cast<float>(static_cast<int32_t>(c[d] >> 4)) * scale + bias;
+        }
+      }
+    }
+  }
+}
+
+// decode_attention_part over mx.quantize's planes: each block of kValueRows key rows dequantized
+// into rows [kValueRows, D] (L1/L2-resident) and scored as float rows, then each block of value
+// rows likewise weighted. The codes are read once and never dequantized beyond one block.
+void decode_attention_part_quantized(const float* q, int64_t G, int64_t D, const QuantizedRows& k,
+                                     const QuantizedRows& v, int64_t Dv, int64_t n, int bits, int64_t group,
+                                     const uint8_t* mask, float scale, float* s, float* rows, float* out, float* top,
+                                     float* sum) {
+  const auto dequantize = bits == 8 ? dequantize_rows<8> : dequantize_rows<4>;
   for (int64_t j0 = 0; j0 < n; j0 += kValueRows) {
-    const int64_t j1 = imin(j0 + kValueRows, n);
-    int64_t h = 0;
-    if constexpr (W >= 8)
-      for (; h + 4 <= G; h += 4) values_heads<4>(s, n, v, ldv, Dv, mask, h, j0, j1, out);
-    for (; h + 2 <= G; h += 2) values_heads<2>(s, n, v, ldv, Dv, mask, h, j0, j1, out);
-    for (; h < G; ++h) values_heads<1>(s, n, v, ldv, Dv, mask, h, j0, j1, out);
+    const int64_t nb = imin(kValueRows, n - j0);
+    dequantize(k.from(j0), D, group, nb, rows);
+    scores_all(q, G, D, rows, D, nb, scale, s + j0, n);
+  }
+  softmax_part(s, G, n, mask, Dv, out, top, sum);
+  for (int64_t j0 = 0; j0 < n; j0 += kValueRows) {
+    const int64_t nb = imin(kValueRows, n - j0);
+    dequantize(v.from(j0), Dv, group, nb, rows);
+    values_all(s + j0, n, G, rows, Dv, Dv, nb, mask ? mask + j0 : nullptr, out);
   }
 }
 
