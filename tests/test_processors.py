@@ -21,6 +21,7 @@ from mlx_lm.sample_utils import make_logits_processors  # noqa: E402
 
 from models.generation.batch import BatchGenerator, BatchRequest  # noqa: E402
 from models.generation.generate import GenerationOptionError, SamplingOptions, TokenSampler, generate_tokens  # noqa: E402
+from tests import quant_tiny as qt  # noqa: E402
 from tests import hf_tiny  # noqa: E402
 
 STOP = frozenset({1})
@@ -93,8 +94,7 @@ def test_top_logprobs_equal_a_log_softmax_of_model_logits(model):
     for prompt, rid in zip(ps[:3], ids[:3]):
         answer = [lp.token for lp in seen[rid]]
         assert answer
-        logits = model.logits(prompt + answer)[0, len(prompt) - 1 :].astype(mx.float32)
-        want = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        want = qt.log_softmax(model.logits(prompt + answer)[0, len(prompt) - 1 :])
         for step, lp in enumerate(seen[rid]):
             top = np.argsort(-want[step], kind="stable")[:5]
             assert [t for t, _ in lp.top] == top.tolist()

@@ -9,6 +9,7 @@ import pytest
 
 import mlx.core as mx
 
+from tests import quant_tiny as qt
 from zoo_cpu import extension, sampling
 
 pytestmark = pytest.mark.skipif(not extension.available(), reason="the C++ extension is not built here")
@@ -36,12 +37,6 @@ def test_top_k_is_a_stable_sort_cut_short(V, k):
     assert not np.isfinite(ordered[rows, got[rows, cols]]).any()
 
 
-def log_softmax64(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    top = x.max(-1, keepdims=True)
-    return x - (top + np.log(np.exp(x - top).sum(-1, keepdims=True)))
-
-
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("shape", [(1, 262_144), (2, 3, 1000), (5,), (2, 8193)])
 def test_log_softmax_matches_float64(shape, isa):
@@ -50,7 +45,7 @@ def test_log_softmax_matches_float64(shape, isa):
     x = (rng.standard_normal(shape) * 6).astype(np.float32)
     x.reshape(-1)[rng.random(x.size) < 0.01] = -np.inf
     x.reshape(-1)[0] = 3.0  # a finite value in every row
-    want = log_softmax64(x)
+    want = qt.log_softmax(x)
     for given in (mx.array(x), mx.array(np.ascontiguousarray(np.swapaxes(x[None], 0, -1))).swapaxes(0, -1)[0]):
         got = np.array(sampling.log_softmax(given, isa=isa))
         assert got.dtype == np.float32 and got.shape == x.shape
@@ -87,7 +82,7 @@ def rows_of_kind(kind: str, V: int, rng) -> np.ndarray:
     else:
         x = rng.standard_normal(V) * 2.0
         x[rng.random(V) < 0.3] = -np.inf
-    x = log_softmax64(x.astype(np.float32)).astype(np.float32)
+    x = qt.log_softmax(x.astype(np.float32)).astype(np.float32)
     if kind == "masked":
         x[rng.random(V) < 0.01] = np.nan
     return x
@@ -161,7 +156,7 @@ def test_categorical_draws_follow_the_distribution():
     draws = np.array(sampling.categorical(rows, mx.array(np.broadcast_to(grid[:, None, None], (n, 2, 3)).copy()), 0.8))
     for b in range(2):
         for r in range(3):
-            p = np.exp(log_softmax64(x[b, r] * 0.8))
+            p = np.exp(qt.log_softmax(x[b, r] * 0.8))
             np.testing.assert_allclose(np.bincount(draws[:, b, r], minlength=40), p * n, atol=2.0)
 
 

@@ -22,6 +22,7 @@ pytest.importorskip("uvicorn")
 
 import models  # noqa: E402
 from models.generation.generate import SamplingOptions, generate_tokens  # noqa: E402
+from tests import quant_tiny as qt  # noqa: E402
 from tests.server_tiny import http, running_server, save_random_chat  # noqa: E402
 
 USER = [{"role": "user", "content": "Tell me a story"}]
@@ -39,8 +40,7 @@ def url(model):
 
 
 def expected_logprobs(model, prompt: list[int], answer: list[int]) -> np.ndarray:
-    logits = model.logits(prompt + answer)[0, len(prompt) - 1 : len(prompt) + len(answer) - 1].astype(mx.float32)
-    return np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    return qt.log_softmax(model.logits(prompt + answer)[0, len(prompt) - 1 : len(prompt) + len(answer) - 1])
 
 
 def greedy_ids(model, prompt: list[int], max_tokens: int, **options) -> list[int]:
