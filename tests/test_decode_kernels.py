@@ -163,6 +163,29 @@ def test_quantized_attention_matches_float64_over_a_run(B, Hkv, groups, D, Dv, g
     np.testing.assert_allclose(np.array(got), want, rtol=0, atol=5e-6 * max(1.0, np.abs(want).max()))
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("bits", decode.QUANTIZED_BITS)
+def test_quantized_attention_never_uses_a_masked_row(bits, isa):
+    """A masked row's scales and biases may hold anything (a buffer's unwritten rows): NaN and inf
+    there change nothing, though the kernel dequantizes whole blocks of rows, masked ones included."""
+    rng = np.random.default_rng(6)
+    T, D, group = 203, 64, 32
+    q = rng.standard_normal((1, 4, 1, D)).astype(np.float32)
+    keys = mx.quantize(mx.array(rng.standard_normal((1, 1, T, D)).astype(np.float32)), group_size=group, bits=bits)
+    values = mx.quantize(mx.array(rng.standard_normal((1, 1, T, D)).astype(np.float32)), group_size=group, bits=bits)
+    mask = rng.random((1, T)) < 0.6
+    mask[:, -1] = True
+    dense = [np.array(mx.dequantize(*planes, group_size=group, bits=bits)) for planes in (keys, values)]
+    want = attention64(q, *dense, 0, T, 0.125, mask)
+    spoiled = []
+    for (packed, scales, biases), bad in zip((keys, values), (np.nan, np.inf)):
+        scales, biases = np.array(scales), np.array(biases)
+        scales[:, :, ~mask[0]], biases[:, :, ~mask[0]] = bad, -bad
+        spoiled.append((packed, mx.array(scales), mx.array(biases)))
+    got = decode.attention_quantized(mx.array(q), *spoiled, mx.array(0), T, 0.125, mx.array(mask), bits, group, isa=isa)
+    np.testing.assert_allclose(np.array(got), want, rtol=0, atol=5e-6 * max(1.0, np.abs(want).max()))
+
+
 def test_quantized_attention_reads_strided_planes_in_place():
     """A quantized cache's rows are views of its buffers too (packed words, scales, biases)."""
     rng = np.random.default_rng(4)

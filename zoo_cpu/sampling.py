@@ -41,7 +41,7 @@ def log_softmax(x: mx.array, isa: str | None = None) -> mx.array:
 def keep_floor(logprobs: mx.array, top_p: float, min_p: float, isa: str | None = None) -> mx.array:
     """The smallest value each row of normalised ``logprobs [..., V]`` keeps, ``[..., 1]``: top-p
     (``0 < top_p < 1``) keeps the words from the most likely down while the mass of those before
-    stays below ``top_p`` (as ``top_k_candidates`` sums it), with every word equal to the last one
+    (summed in double) stays below ``top_p``, with every word equal to the last one
     kept; min-p (``min_p > 0``) keeps those at or above the largest + ``log(min_p)``. A filter at 0
     (or top-p at 1) is off; with both off the floor is ``-inf``."""
     return _module().keep_floor(logprobs, float(top_p), float(min_p), isa or "")

@@ -309,7 +309,8 @@ def filtered_draw(logprobs: mx.array, options: SamplingOptions, key: mx.array) -
     """A draw from what ``filter_logprobs`` keeps of normalised ``logprobs [..., V]`` at
     ``options.temp``, without ``top_k`` (``top_k_candidates`` serves that). Where the decode kernels
     run, top-p and min-p become one floor per row (``zoo_cpu.sampling.keep_floor``, read off the
-    most likely words; top-p summed and compared as ``top_k_candidates`` does) and the draw is the
+    most likely words; top-p's masses summed in double from the most likely down and compared with
+    ``top_p`` itself, as ``top_k_candidates`` compares its float32 sums) and the draw is the
     extension's inverse CDF over the values at or above it: MLX's sort for top-p alone took ~34 ms
     a token over 262,144 words. Elsewhere ``filter_logprobs`` and ``mx.random.categorical``."""
     if not _extension_sampling(logprobs):
