@@ -24,8 +24,8 @@ one by one (teacher forcing), and the KL of the 8-bit variant's next-token distr
 float one's is averaged over the positions (max also shown), with top-1 agreement.
 
 ``--reads``: one full-attention layer's decode read alone (the 270M's shape: 4 query heads over one
-kv head of width 256), the same run of T stored rows through the float decode kernel, the 8-bit
-decode kernel and MLX's ``quantized_matmul`` pair (the zoo's decode kernels off), interleaved, the
+kv head of width 256), the same run of T stored rows through the float decode kernel, the 8- and
+4-bit decode kernel and MLX's ``quantized_matmul`` pair (the zoo's decode kernels off), interleaved, the
 median of ``--repeats`` calls each; GB/s is the planes' bytes over the time.
 """
 
@@ -108,7 +108,7 @@ def read_rates(lengths: list[int], repeats: int) -> None:
 
     rng = np.random.default_rng(0)
     ways = {"float kernel": (Dense(), True), "8-bit kernel": (Quantized(8, 64), True),
-            "8-bit, MLX quantized_matmul": (Quantized(8, 64), False)}  # fmt: skip
+            "4-bit kernel": (Quantized(4, 64), True), "8-bit, MLX quantized_matmul": (Quantized(8, 64), False)}  # fmt: skip
     print(f"one layer's decode read (q [1, 4, 1, 256] over [1, 1, T, 256] keys and values), median of {repeats}; "
           f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")  # fmt: skip
     print("| T | read | MB | ms | GB/s | vs float kernel |")

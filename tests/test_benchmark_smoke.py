@@ -30,6 +30,7 @@ BENCHMARKS = {
     "packed_kernels": [],  # 1 s
     "prefill": [],  # 36 s
     "prompt_lookup": [],  # a tiny random Gemma 3: plain and prompt-lookup greedy agree
+    "sampling": [],  # one process: 1,024-word rows, three ways, eight requests
     "speculative": [],  # a tiny random Gemma 4 target for the assistant
     "speed": ["--models", "gemma3", "--sampling", "greedy,checkpoint"],  # 140 s: 6 stacks, each in its own process, greedy then sampled (Gemma 4: gemma4_text_vs_mlx_lm)
 }
