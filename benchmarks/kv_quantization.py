@@ -1,4 +1,4 @@
-"""Quantized KV caches: storage per token, peak memory and decode speed, against full precision
+"""Quantized KV caches: storage per token, peak memory, prefill and decode speed, against full precision
 and against mlx-lm's ``--kv-bits`` on the same checkpoint, in one run.
 
 Uses the E2B-shaped random Gemma 4 of ``benchmarks.gemma4_text_vs_mlx_lm`` (sliding and full
@@ -38,6 +38,7 @@ def run_ours(path: str, prompt: list[int], gen: int, bits: int | None):
     model = models.load(path, tokenizer=False)
     cache = model.make_cache()
     kv = KVQuantization(bits, 64, start=0) if bits else None
+    began = time.perf_counter()
     tokens = generate_tokens(model.forward, prompt, cache, max_tokens=gen, kv_quantization=kv, overlap=model.overlap)
     next(tokens)
     start = time.perf_counter()
@@ -45,6 +46,7 @@ def run_ours(path: str, prompt: list[int], gen: int, bits: int | None):
     per_token = (time.perf_counter() - start) / max(n, 1)
     layers = owning_caches(cache)
     return {
+        "prefill_tps": len(prompt) / (start - began),
         "decode_tps": 1 / per_token,
         "cache_mb": sum(c.nbytes for c in layers) / 1e6,
         "bytes_per_token": sum(c.bytes_per_token for c in layers),
@@ -60,11 +62,13 @@ def run_mlx_lm(path: str, prompt: list[int], gen: int, bits: int | None):
     mx.reset_peak_memory()
     model, _ = load_model(Path(path))
     options = dict(kv_bits=bits, kv_group_size=64, quantized_kv_start=0) if bits else {}
+    began = time.perf_counter()
     steps = generate_step(mx.array(prompt), model, max_tokens=gen + 1, prefill_step_size=512, **options)
     next(steps)
     start = time.perf_counter()
     n = sum(1 for _ in steps)
-    return {"decode_tps": n / (time.perf_counter() - start), "peak_gb": mx.get_peak_memory() / 1e9}
+    return {"prefill_tps": len(prompt) / (start - began), "decode_tps": n / (time.perf_counter() - start),
+            "peak_gb": mx.get_peak_memory() / 1e9}  # fmt: skip
 
 
 def child(which: str, path: str, n_prompt: int, gen: int, runs: int, configs: list[int | None]) -> None:
@@ -131,19 +135,21 @@ def main() -> None:
             elif "error" in result:
                 record.missing(label, result["error"], ours=which == "ours", package="mlx_lm")
             else:
-                record.row(label, None, ours=which == "ours", decode=result["decode_tps"])
+                record.row(label, None, ours=which == "ours", prefill=result["prefill_tps"], decode=result["decode_tps"])
     print(f"E2B-shaped random Gemma 4, prompt {args.prompt}, {args.gen} greedy tokens, median of {args.runs}")
-    print("| cache | ours decode tok/s | ours cache MB | ours bytes/token | ours peak GB | mlx-lm decode tok/s | mlx-lm peak GB | decode ours/mlx-lm |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| cache | ours prefill tok/s | ours decode tok/s | ours cache MB | ours bytes/token | ours peak GB | "
+          "mlx-lm prefill tok/s | mlx-lm decode tok/s | mlx-lm peak GB | decode ours/mlx-lm |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, _ in CONFIGS:
         ours, peer = rows["ours", name], rows["mlx_lm", name]
         if "error" in ours:
             print(f"| {name} | error: {ours['error']} |")
             continue
-        peer_cells = (f"{peer['decode_tps']:.2f} | {peer['peak_gb']:.2f} | {ours['decode_tps'] / peer['decode_tps']:.2f}x"
-                      if "error" not in peer else f"fails: {peer['error']} | – | –")  # fmt: skip
-        print(f"| {name} | {ours['decode_tps']:.2f} | {ours['cache_mb']:.1f} | {ours['bytes_per_token']} | "
-              f"{ours['peak_gb']:.2f} | {peer_cells} |")  # fmt: skip
+        peer_cells = (f"{peer['prefill_tps']:.1f} | {peer['decode_tps']:.2f} | {peer['peak_gb']:.2f} | "
+                      f"{ours['decode_tps'] / peer['decode_tps']:.2f}x"
+                      if "error" not in peer else f"fails: {peer['error']} | – | – | –")  # fmt: skip
+        print(f"| {name} | {ours['prefill_tps']:.1f} | {ours['decode_tps']:.2f} | {ours['cache_mb']:.1f} | "
+              f"{ours['bytes_per_token']} | {ours['peak_gb']:.2f} | {peer_cells} |")  # fmt: skip
     if args.smoke:
         record.finish()
 

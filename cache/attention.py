@@ -109,6 +109,17 @@ def attend_query_rows(q: mx.array, keys: list, values: list, starts: list, sizes
     return decode.attention_rows(q, keys, values, starts, sizes, scale, bits, group_size)
 
 
+def prefill_reads_dequantized(q: mx.array, keys: tuple) -> bool:
+    """Whether a read of many float32 queries over ``mx.quantize``'s planes dequantizes the run and
+    attends it as float rows (``attend``: the prefill kernel, key blocks with an online softmax):
+    on the CPU plan. MLX's CPU ``quantized_matmul`` is a plain loop there (an 8k-token prompt with
+    8-bit keys and values prefilled at 32 tok/s against 620 float), and the dequantized run
+    ([B, Hkv, T, D] keys and values, one layer at a time) is smaller than the [B, Hkv, L * G, T]
+    scores the two quantized products would make."""
+    chosen = backend.active()
+    return chosen.fast_math and chosen.prefill and q.dtype == mx.float32 and keys[1].dtype == mx.float32
+
+
 def _decode_rows(q: mx.array, mask):
     """The mask as the decode kernels take it, or False where they do not run (backend off, more
     than one query, a query that is not float32, a mask form they do not take)."""

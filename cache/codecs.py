@@ -13,7 +13,7 @@ import mlx.core as mx
 
 from .attention import (
     FIRST_ROW, attend, attend_quantized_query_run, attend_query_rows, attend_query_run, fold_queries, masked_softmax,
-    unfold_queries,
+    prefill_reads_dequantized, unfold_queries,
 )  # fmt: skip
 
 Planes = tuple  # tuple[mx.array, ...], position axis -2
@@ -85,10 +85,12 @@ class Dense(Codec):
 
 
 class Quantized(Codec):
-    """MLX affine quantization along the head dim (``mx.quantize``), attended without ever
-    dequantizing the stored history: a single float32 query through the zoo's quantized decode
-    kernel where it runs (``zoo_cpu.decode.attention_quantized``), anything else through two
-    ``mx.quantized_matmul`` products around an fp32 softmax.
+    """MLX affine quantization along the head dim (``mx.quantize``). A single float32 query goes
+    through the zoo's quantized decode kernel where it runs (``zoo_cpu.decode.attention_quantized``:
+    a block of rows dequantized at a time, never the history). A prefill chunk's many queries on
+    the CPU plan read the run dequantized, through the float prefill kernel
+    (``prefill_reads_dequantized``). Anything else goes through two ``mx.quantized_matmul``
+    products around an fp32 softmax.
 
     Written here rather than taken from mlx-lm's ``quantized_scaled_dot_product_attention`` because
     that one reshapes its output with the key head dim (wrong when values have another width) and
@@ -161,6 +163,8 @@ class Quantized(Codec):
                                              self.group_size)  # fmt: skip
             if out is not None:
                 return out
+        elif prefill_reads_dequantized(q, keys):
+            return attend(q, self.unpack(keys), self.unpack(values), scale, mask)
         # GQA by folding each kv head's query heads into rows: the stored planes are used as they
         # are, never broadcast (a broadcast would copy the whole history once per query head).
         quantized = dict(group_size=self.group_size, bits=self.bits)
