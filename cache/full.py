@@ -103,8 +103,9 @@ class QuantizedStorage:
 
 class QuantizedKVCache(QuantizedStorage, KVCache):
     """``KVCache`` on MLX affine-quantized storage (``bits`` 2-8, ``group_size`` 32/64/128 along
-    the head dim); the reads attend with quantized matmuls (a decode read: the quantized decode
-    kernel) and never dequantize the history."""
+    the head dim); the reads attend as ``cache.codecs.Quantized`` does (a decode read: the quantized
+    decode kernel, a block of rows dequantized at a time; a prefill chunk on the CPU plan: the run
+    dequantized for the float prefill kernel; otherwise quantized matmuls)."""
 
     kind = "full-quantized"
 

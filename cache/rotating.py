@@ -162,7 +162,7 @@ class RotatingKVCache(AttentionCache):
 
 class RotatingQuantizedKVCache(QuantizedStorage, RotatingKVCache):
     """``RotatingKVCache`` on MLX affine-quantized storage: the same window, slack, trims and
-    reads, attended with quantized matmuls (the history is never dequantized)."""
+    reads, attended as ``cache.codecs.Quantized`` does."""
 
     kind = "sliding-quantized"
 

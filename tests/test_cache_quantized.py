@@ -90,7 +90,7 @@ def _peak_decode_memory(cache, T, dim=128, Hkv=2, Hq=8):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_quantized_decode_peaks_below_full_precision(bits):
     """Decoding over 4,096 stored positions: the quantized cache's peak memory (storage included)
-    stays below the full-precision cache's, because the history is never dequantized."""
+    stays below the full-precision cache's: a decode read never dequantizes the history."""
     full_peak, full_bytes = _peak_decode_memory(KVCache(), 4096)
     quant_peak, quant_bytes = _peak_decode_memory(QuantizedKVCache(bits=bits, group_size=64), 4096)
     assert quant_bytes < full_bytes / 2
