@@ -195,12 +195,12 @@ std::pair<double, int64_t> mass_at_or_above(MassJob& job, float floor) {
 }
 
 // The last of `sorted` (from the largest down) that top-p keeps, given the mass `above` of the
-// row's values before them: the words are kept while the mass before each stays below top_p.
-// -1 when the first is not kept.
-int64_t last_kept(const float* sorted, int64_t n, double above, float top_p) {
+// row's values before them (-1 when the first is not kept), and the mass up to and including it:
+// the words are kept while the mass before each stays below top_p.
+std::pair<int64_t, double> last_kept(const float* sorted, int64_t n, double above, float top_p) {
   int64_t kept = 0;
   for (; kept < n && above < top_p; ++kept) above += std::exp(static_cast<double>(sorted[kept]));
-  return kept - 1;
+  return {kept - 1, above};
 }
 
 // One row's keep_floor (see sampling.h). Top-p reads the row's kNucleusFirst most likely words;
@@ -215,10 +215,9 @@ float row_floor(const Kernels& kn, const float* x, int64_t V, float top_p, float
   if (nucleus) {
     std::vector<float> sorted(best.size());
     for (size_t c = 0; c < best.size(); ++c) sorted[c] = best[c].first;
-    double above = 0.0;
-    for (float v : sorted) above += std::exp(static_cast<double>(v));
-    if (above >= top_p || static_cast<int64_t>(best.size()) == V || top == -INFINITY) {
-      floor = sorted[last_kept(sorted.data(), sorted.size(), 0.0, top_p)];
+    const auto [last, mass] = last_kept(sorted.data(), sorted.size(), 0.0, top_p);
+    if (mass >= top_p || static_cast<int64_t>(best.size()) == V || top == -INFINITY) {  // the nucleus is in them
+      floor = sorted[last];
     } else {
       const int64_t parts = V >= 8192 ? threads() : 1;
       MassJob job{kn, x, V, parts, top, 0.0f, std::vector<double>(parts), std::vector<int64_t>(parts)};
@@ -241,8 +240,8 @@ float row_floor(const Kernels& kn, const float* x, int64_t V, float top_p, float
       for (int64_t i = 0; i < V; ++i)
         if (x[i] >= lo && x[i] < hi) sorted.push_back(x[i]);
       std::sort(sorted.begin(), sorted.end(), std::greater<float>());
-      const int64_t last = last_kept(sorted.data(), sorted.size(), hi_mass, top_p);
-      floor = last >= 0 ? sorted[last] : hi;
+      const int64_t last_gathered = last_kept(sorted.data(), sorted.size(), hi_mass, top_p).first;
+      floor = last_gathered >= 0 ? sorted[last_gathered] : hi;
     }
   }
   if (min_p > 0.0f) floor = std::max(floor, top + static_cast<float>(std::log(static_cast<double>(min_p))));
