@@ -139,10 +139,13 @@ void top_k_chunk(void* ctx, int chunk) {
   for (; i < i1; ++i) offer(i);
 }
 
+// Parts of a row a pass over it splits into: one a thread once a part pays for the hand-off.
+int64_t row_parts(int64_t V) { return V >= 8192 ? threads() : 1; }
+
 // The k best candidates of each of `rows` rows of x [rows, V], from the best down, into best
-// [rows * k]: two parts a row on two threads once a part is long enough to pay for the hand-off.
+// [rows * k], the parts of each row on the threads.
 void best_candidates(const float* x, int64_t rows, int64_t V, int64_t k, std::vector<Candidate>& best) {
-  const int64_t parts = V >= 8192 && threads() > 1 ? threads() : 1;
+  const int64_t parts = row_parts(V);
   std::vector<std::vector<Candidate>> found(rows * parts);
   TopKJob job{x, V, k, parts, found.data()};
   parallel_chunks(static_cast<int>(rows * parts), top_k_chunk, &job);
@@ -219,7 +222,7 @@ float row_floor(const Kernels& kn, const float* x, int64_t V, float top_p, float
     if (mass >= top_p || static_cast<int64_t>(best.size()) == V || top == -INFINITY) {  // the nucleus is in them
       floor = sorted[last];
     } else {
-      const int64_t parts = V >= 8192 ? threads() : 1;
+      const int64_t parts = row_parts(V);
       MassJob job{kn, x, V, parts, top, 0.0f, std::vector<double>(parts), std::vector<int64_t>(parts)};
       // Every value below lo0 together weighs at most V e^lo0 = (1 - top_p) / 2 of a normalised row.
       float lo = static_cast<float>(std::log((1.0 - top_p) / (2.0 * V))), hi = std::nextafter(top, INFINITY);
@@ -248,16 +251,40 @@ float row_floor(const Kernels& kn, const float* x, int64_t V, float top_p, float
   return floor;
 }
 
-// A log-softmax's three passes over parts of its rows: maxima, sums of e^(x - max), x - shift.
+// Each row's largest value (NaN ignored) of x [rows, V], its parts on the threads.
+struct MaxJob {
+  Kernels kn;
+  const float* x;
+  int64_t V, parts;
+  std::vector<float> tops;  // [rows, parts]
+};
+
+void max_chunk(void* ctx, int chunk) {
+  auto& j = *static_cast<MaxJob*>(ctx);
+  const int64_t row = chunk / j.parts, part = chunk % j.parts;
+  const int64_t i0 = j.V * part / j.parts, i1 = j.V * (part + 1) / j.parts;
+  j.tops[chunk] = i1 > i0 ? j.kn.row_max(j.x + row * j.V + i0, i1 - i0) : -INFINITY;
+}
+
+std::vector<float> row_maxima(const Kernels& kn, const float* x, int64_t rows, int64_t V) {
+  const int64_t parts = row_parts(V);
+  MaxJob job{kn, x, V, parts, std::vector<float>(rows * parts)};
+  parallel_chunks(static_cast<int>(rows * parts), max_chunk, &job);
+  std::vector<float> tops(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    tops[r] = *std::max_element(job.tops.begin() + r * parts, job.tops.begin() + (r + 1) * parts);
+  return tops;
+}
+
+// A log-softmax's passes over parts of its rows after the maxima: sums of e^(x - max), x - shift.
 struct SoftmaxJob {
   Kernels kn;
   const float* x;
   float* out;
   int64_t V, parts;
-  int pass;
-  std::vector<float> tops;     // [rows, parts]
+  bool subtract;               // the second pass
+  std::vector<float> shifts;   // [rows]: max, then max + log(sum)
   std::vector<double> sums;    // [rows, parts]
-  std::vector<float> shifts;   // [rows]: max + log(sum)
 };
 
 void softmax_chunk(void* ctx, int chunk) {
@@ -265,9 +292,7 @@ void softmax_chunk(void* ctx, int chunk) {
   const int64_t row = chunk / j.parts, part = chunk % j.parts;
   const int64_t i0 = j.V * part / j.parts, i1 = j.V * (part + 1) / j.parts;
   const float* x = j.x + row * j.V;
-  if (j.pass == 0) {
-    j.tops[chunk] = j.kn.row_max(x + i0, i1 - i0);
-  } else if (j.pass == 1) {  // float sums of short blocks, added in double
+  if (!j.subtract) {  // float sums of short blocks, added in double
     double sum = 0.0;
     for (int64_t b = i0; b < i1; b += kSumBlock)
       sum += j.kn.exp_weights(x + b, std::min(kSumBlock, i1 - b), j.shifts[row], 1.0f, -INFINITY, nullptr, nullptr);
@@ -290,8 +315,6 @@ struct DrawJob {
   const float* top;    // [rows]
   const float* floor;  // [rows]
   float* sums;         // [rows, blocks]
-  float* tops;         // [rows, parts]: each part's largest value, for the max pass
-  bool max_pass;
 };
 
 void draw_chunk(void* ctx, int chunk) {
@@ -299,11 +322,6 @@ void draw_chunk(void* ctx, int chunk) {
   const int64_t row = chunk / j.parts, part = chunk % j.parts;
   const int64_t b0 = j.blocks * part / j.parts, b1 = j.blocks * (part + 1) / j.parts;
   const float* x = j.x + row * j.V;
-  const int64_t i0 = b0 * kDrawBlock, i1 = std::min(j.V, b1 * kDrawBlock);
-  if (j.max_pass) {
-    j.tops[chunk] = i1 > i0 ? j.kn.row_max(x + i0, i1 - i0) : -INFINITY;
-    return;
-  }
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t n = std::min(kDrawBlock, j.V - b * kDrawBlock);
     j.sums[row * j.blocks + b] =
@@ -349,21 +367,18 @@ void LogSoftmax::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) 
   encoder.dispatch([x = inputs[0], isa = isa_, o = out.data<float>()]() {
     std::vector<float> xc;
     const int64_t V = x.shape(-1), rows = static_cast<int64_t>(x.size()) / V;
-    const int64_t parts = V >= 8192 ? threads() : 1;
-    SoftmaxJob job{vector_kernels(isa), dense(x, xc), o, V, parts, 0, std::vector<float>(rows * parts),
-                   std::vector<double>(rows * parts), std::vector<float>(rows)};
+    const int64_t parts = row_parts(V);
+    const Kernels kn = vector_kernels(isa);
+    const float* data = dense(x, xc);
+    SoftmaxJob job{kn, data, o, V, parts, false, row_maxima(kn, data, rows, V), std::vector<double>(rows * parts)};
     const int chunks = static_cast<int>(rows * parts);
-    parallel_chunks(chunks, softmax_chunk, &job);
-    for (int64_t r = 0; r < rows; ++r)
-      job.shifts[r] = *std::max_element(job.tops.begin() + r * parts, job.tops.begin() + (r + 1) * parts);
-    job.pass = 1;
     parallel_chunks(chunks, softmax_chunk, &job);
     for (int64_t r = 0; r < rows; ++r) {
       double sum = 0.0;
       for (int64_t p = 0; p < parts; ++p) sum += job.sums[r * parts + p];
       job.shifts[r] = static_cast<float>(job.shifts[r] + std::log(sum));
     }
-    job.pass = 2;
+    job.subtract = true;
     parallel_chunks(chunks, softmax_chunk, &job);
   });
 }
@@ -394,13 +409,10 @@ void Categorical::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out)
     if (inputs.size() > 2) std::copy_n(dense(inputs[2], fc), rows, floors.begin());
     const int64_t blocks = (V + kDrawBlock - 1) / kDrawBlock;
     const int64_t parts = std::min<int64_t>(blocks, threads());
-    std::vector<float> sums(rows * blocks), part_tops(rows * parts), tops(rows);
-    DrawJob job{vector_kernels(isa), data, V, blocks, parts, scale, tops.data(), floors.data(), sums.data(),
-                part_tops.data(), true};
-    parallel_chunks(static_cast<int>(rows * parts), draw_chunk, &job);
-    for (int64_t r = 0; r < rows; ++r)
-      tops[r] = *std::max_element(part_tops.begin() + r * parts, part_tops.begin() + (r + 1) * parts);
-    job.max_pass = false;
+    const Kernels kn = vector_kernels(isa);
+    const std::vector<float> tops = row_maxima(kn, data, rows, V);
+    std::vector<float> sums(rows * blocks);
+    DrawJob job{kn, data, V, blocks, parts, scale, tops.data(), floors.data(), sums.data()};
     parallel_chunks(static_cast<int>(rows * parts), draw_chunk, &job);
     std::vector<float> weights(kDrawBlock);
     for (int64_t r = 0; r < rows; ++r) {
